@@ -1,0 +1,418 @@
+r"""Calibration statistics of linear layers (paper Sec. 4-5 "Factor estimation", Sec. 6.3 protocol).
+
+For every selected ``nn.Linear`` (``y = W x``, ``W`` is ``n x m``) and ``k``
+calibration batches, one pass of forward + backward per batch records
+
+* ``G_i = dL_i / dW`` (``n x m``), the per-batch weight gradient of Eq. (5)
+  ``I_F = (1/k) sum_i vec(G_i) vec(G_i)^T`` -- written to ``<layer>.grads.npy``
+  of shape ``(k, n, m)`` float32, opened with mmap by :func:`fisherkron.mff`, so
+  at most one layer's ``k`` gradients are in RAM while it is factorised;
+* the diagonal Fisher ``E[G o G] = (1/k) sum_i G_i o G_i`` (``n x m``; FWSVD);
+* ``mean_t |x_t|`` (``m``; ASVD) and ``X X^T = sum_t x_t x_t^T`` (``m x m``; SVD-LLM);
+* the K-FAC factors ``A = X X^T / T`` and ``B = (1/k) sum_t delta_t delta_t^T``
+  (``delta = dL/dy``), the warm start of MFF.
+
+Tokens masked out by ``attention_mask`` are left out of the activation
+statistics. Results are cached on disk under a key of (model weights and
+config, data, layers, k, seed, code version); a cache entry is used only if
+its manifest matches that key and every file's checksum, otherwise it is
+recomputed.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .conventions import FisherkronError
+from .kfac import KFACFactors
+from .models import DEFAULT_LAYERS, data_root
+
+__all__ = ["select_layers", "collect_calibration", "CalibrationStats", "CODE_VERSION"]
+
+log = logging.getLogger(__name__)
+
+CODE_VERSION = "calibration-1"  # bump when the meaning of a cached file changes
+STATS = ("grads", "diag_fisher", "abs_mean", "xxt", "kfac")
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    return [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+
+
+def _default_pattern(model: nn.Module) -> str:
+    mtype = getattr(getattr(model, "config", None), "model_type", "")
+    if mtype in ("bert", "roberta", "distilbert", "electra"):
+        return DEFAULT_LAYERS["encoder"]
+    return DEFAULT_LAYERS["decoder"]
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if fnmatch.fnmatchcase(name, pattern):
+        return True
+    try:
+        return re.fullmatch(pattern, name) is not None
+    except re.error:
+        return False
+
+
+def select_layers(model: nn.Module, layers=None) -> list[str]:
+    """Names of the ``nn.Linear`` modules matched by ``layers``.
+
+    ``layers``: a regex (full match) or glob pattern, a list of them, or
+    ``None`` for the paper's choice (all linear layers of the transformer
+    blocks). A pattern that matches nothing raises a one-line error listing the
+    nearest linear-layer names.
+
+    >>> m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    >>> select_layers(m, "*"), select_layers(m, r"\\d")
+    (['0', '2'], ['0', '2'])
+    """
+    patterns = [_default_pattern(model)] if layers is None else \
+        [layers] if isinstance(layers, str) else list(layers)
+    names = _linear_names(model)
+    chosen: list[str] = []
+    for p in patterns:
+        hit = [n for n in names if _matches(p, n)]
+        if not hit:
+            near = difflib.get_close_matches(p, names, n=3, cutoff=0.0) or names[:3]
+            raise FisherkronError(f"layer pattern {p!r} matches no nn.Linear; nearest layers: "
+                                  f"{', '.join(near) or '(model has no nn.Linear)'}")
+        chosen += [n for n in hit if n not in chosen]
+    return [n for n in names if n in chosen]  # model order
+
+
+@dataclass
+class CalibrationStats:
+    """Per-layer statistics on disk (``dir``); arrays are loaded on request.
+
+    Attributes:
+        dir: cache folder holding ``manifest.json`` and one file per layer and statistic.
+        layers: ``{name: {"n": n, "m": m, "tokens": T}}``.
+        k: number of batches (= gradients per layer).
+        key: the cache key; ``config`` what it was computed from.
+        from_cache: whether this object was read from an existing cache entry.
+    """
+
+    dir: Path
+    layers: dict[str, dict]
+    k: int
+    key: str
+    config: dict
+    stats: tuple[str, ...]
+    from_cache: bool = False
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def _file(self, name: str, stat: str) -> Path:
+        if name not in self.layers:
+            near = difflib.get_close_matches(name, list(self.layers), n=3, cutoff=0.0)
+            raise FisherkronError(f"layer {name} has no calibration statistics; nearest: {', '.join(near)}")
+        return self.dir / f"{name}.{stat}.npy"
+
+    def _need(self, stat: str) -> None:
+        if stat not in self.stats:
+            raise FisherkronError(f"statistic {stat!r} was not collected; pass stats including it "
+                                  f"to collect_calibration")
+
+    def grads_path(self, name: str) -> Path:
+        """``.npy`` file of the ``(k, n, m)`` float32 per-batch gradients ``G_i`` (for :func:`fisherkron.mff`)."""
+        self._need("grads")
+        return self._file(name, "grads")
+
+    def grads(self, name: str) -> np.ndarray:
+        """Memory-mapped ``(k, n, m)`` gradients ``G_i``."""
+        return np.load(self.grads_path(name), mmap_mode="r")
+
+    def _load(self, name: str, stat: str) -> torch.Tensor:
+        return torch.from_numpy(np.load(self._file(name, stat)))
+
+    def diag_fisher(self, name: str) -> torch.Tensor:
+        """``E[G o G]`` (``n x m``): the diagonal empirical Fisher (FWSVD)."""
+        self._need("diag_fisher")
+        return self._load(name, "diag_fisher")
+
+    def fisher_rows(self, name: str) -> torch.Tensor:
+        """``sum_j E[G_ij^2]`` (``n``), FWSVD's row importances."""
+        return self.diag_fisher(name).sum(dim=1)
+
+    def input_abs_mean(self, name: str) -> torch.Tensor:
+        """``mean_t |x_t|`` (``m``), ASVD's activation scale."""
+        self._need("abs_mean")
+        return self._load(name, "abs_mean")
+
+    def xxt(self, name: str) -> torch.Tensor:
+        """``X X^T = sum_t x_t x_t^T`` (``m x m``, float64), SVD-LLM's whitening Gram matrix."""
+        self._need("xxt")
+        return self._load(name, "xxt")
+
+    def kfac(self, name: str) -> KFACFactors:
+        """K-FAC ``A = X X^T / T`` (``m x m``) and ``B = (1/k) sum_t delta_t delta_t^T`` (``n x n``)."""
+        self._need("kfac")
+        A = self.xxt(name) / self.layers[name]["tokens"]
+        return KFACFactors(A, self._load(name, "ddt") / self.k)
+
+
+# ----------------------------------------------------------------------------- cache
+
+def _blake(data: bytes, h=None):
+    h = h or hashlib.blake2b(digest_size=20)
+    h.update(data)
+    return h
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.numpy().tobytes()
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Hash of the model class, config and every parameter and buffer (weights decide the gradients)."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(type(model).__name__.encode())
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "to_json_string"):
+        h.update(cfg.to_json_string(use_diff=False).encode())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(_tensor_bytes(t))
+    return h.hexdigest()
+
+
+def data_fingerprint(batches) -> str:
+    """Hash of every tensor (and value) in every batch, in order."""
+    h = hashlib.blake2b(digest_size=20)
+    for b in batches:
+        for key in sorted(b):
+            v = b[key]
+            h.update(key.encode())
+            h.update(_tensor_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
+    return h.hexdigest()
+
+
+def _file_hash(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=20)
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 23), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _code_version() -> str:
+    from . import __version__
+    src = Path(__file__).read_bytes()
+    return f"{__version__}/{CODE_VERSION}/{hashlib.blake2b(src, digest_size=8).hexdigest()}"
+
+
+def _read_cache(path: Path, key: str, verify: bool) -> dict | None:
+    """The manifest of a valid cache entry, or ``None`` (missing, corrupt or mismatched)."""
+    mf = path / "manifest.json"
+    if not mf.exists():
+        return None
+    try:
+        man = json.loads(mf.read_text())
+        if man.get("key") != key:
+            log.warning("calibration cache %s belongs to another configuration; recomputing", path)
+            return None
+        for fname, meta in man["files"].items():
+            f = path / fname
+            if not f.exists() or f.stat().st_size != meta["size"]:
+                log.warning("calibration cache %s: %s is missing or truncated; recomputing", path, fname)
+                return None
+            if verify and _file_hash(f) != meta["hash"]:
+                log.warning("calibration cache %s: %s fails its checksum; recomputing", path, fname)
+                return None
+        return man
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("calibration cache %s is unreadable (%s); recomputing", path, err)
+        return None
+
+
+# ----------------------------------------------------------------------------- collection
+
+def _default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    out = model(**batch)
+    if getattr(out, "loss", None) is None:
+        raise FisherkronError("the model returned no loss; put 'labels' in the batches or pass loss_fn")
+    return out.loss
+
+
+def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None = None, seed: int = 0,
+                        stats=STATS, loss_fn=None, cache: bool = True, cache_dir=None,
+                        verify_cache: bool = True, progress: bool = False) -> CalibrationStats:
+    r"""Per-batch gradients ``G_i`` and baseline statistics of the selected linear layers.
+
+    Eq. (5): ``I_F = (1/k) sum_i vec(G_i) vec(G_i)^T`` with ``G_i = dL_i/dW`` the
+    gradient of the mean loss of batch ``i`` (one gradient per batch, the
+    paper's protocol). See the module docstring for the other statistics.
+
+    Args:
+        model: a module whose ``loss_fn(model, batch)`` is a scalar loss
+            (default: ``model(**batch).loss``).
+        batches: list of dicts of tensors (e.g. from :func:`fisherkron.data.lm_batches`).
+        layers: regex/glob pattern(s) of ``nn.Linear`` names; ``None`` = the paper's layers.
+        k: use the first ``k`` batches (default: all).
+        seed: recorded in the cache key (the seed that drew the batches).
+        stats: subset of ``("grads", "diag_fisher", "abs_mean", "xxt", "kfac")``.
+        cache: reuse/write ``<cache_dir>/<key>``; ``cache_dir`` defaults to ``data/cache/calibration``.
+        verify_cache: check file checksums before reusing a cache entry.
+        progress: show a tqdm bar over batches.
+
+    Returns:
+        :class:`CalibrationStats` backed by files (a temporary folder if ``cache=False``).
+    """
+    stats = tuple(stats)
+    bad = [s for s in stats if s not in STATS]
+    if bad:
+        raise FisherkronError(f"unknown statistic {bad[0]!r}; choose from {', '.join(STATS)}")
+    batches = list(batches)
+    if k is not None:
+        if k > len(batches):
+            raise FisherkronError(f"k={k} exceeds the {len(batches)} batches given")
+        batches = batches[:k]
+    k = len(batches)
+    if k == 0:
+        raise FisherkronError("no calibration batches were given")
+    names = select_layers(model, layers)
+    modules = dict(model.named_modules())
+    shapes = {n: (modules[n].out_features, modules[n].in_features) for n in names}
+
+    config = {"model": model_fingerprint(model), "data": data_fingerprint(batches), "layers": names,
+              "k": k, "seed": seed, "stats": sorted(stats), "code": _code_version(),
+              "loss_fn": getattr(loss_fn, "__qualname__", None)}
+    key = hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+    root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "calibration"
+    final = root / key
+    if cache:
+        man = _read_cache(final, key, verify_cache)
+        if man is not None:
+            return CalibrationStats(final, man["layers"], man["k"], key, man["config"],
+                                    tuple(man["config"]["stats"]), from_cache=True)
+        if final.exists():
+            shutil.rmtree(final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:8]}-", dir=root))
+    try:
+        tokens = _collect(model, batches, names, modules, shapes, stats, loss_fn or _default_loss,
+                          tmp, progress)
+        files = {f.name: {"size": f.stat().st_size, "hash": _file_hash(f)} for f in sorted(tmp.glob("*.npy"))}
+        layer_info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n]} for n in names}
+        man = {"key": key, "config": config, "k": k, "layers": layer_info, "files": files}
+        (tmp / "manifest.json").write_text(json.dumps(man, indent=1))
+        if not cache:
+            return CalibrationStats(tmp, layer_info, k, key, config, stats, from_cache=False)
+        os.chmod(tmp, 0o755)
+        tmp.rename(final)
+    finally:
+        if cache and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return CalibrationStats(final, layer_info, k, key, config, stats, from_cache=False)
+
+
+def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, progress: bool):
+    """One forward + backward per batch; returns the token count per layer."""
+    k = len(batches)
+    want_act = any(s in stats for s in ("abs_mean", "xxt", "kfac"))
+    acc = {n: {} for n in names}
+    tokens = {n: 0 for n in names}
+    mask_holder: dict[str, torch.Tensor | None] = {"mask": None}
+    grads_mm = {}
+    if "grads" in stats:
+        for n in names:
+            grads_mm[n] = np.lib.format.open_memmap(out / f"{n}.grads.npy", mode="w+", dtype=np.float32,
+                                                    shape=(k, *shapes[n]))  # (k, n, m)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        mask = mask_holder["mask"]
+        if mask is not None and t.dim() == 3 and t.shape[:2] == mask.shape:
+            return t[mask]  # (T_kept, features)
+        return t.reshape(-1, t.shape[-1])
+
+    def make_hook(n):
+        def fwd(mod, inp, outp):
+            x = rows(inp[0].detach()).float()  # (T, m)
+            a = acc[n]
+            tokens[n] += x.shape[0]
+            if "abs_mean" in stats:
+                s = x.abs().sum(0).double()
+                a["abs_sum"] = s if "abs_sum" not in a else a["abs_sum"] + s
+            if "xxt" in stats or "kfac" in stats:
+                g = (x.T @ x).double()  # (m, m)
+                a["xxt"] = g if "xxt" not in a else a["xxt"] + g
+            if "kfac" in stats and outp.requires_grad:
+                def bwd(grad):
+                    d = rows(grad.detach()).float()  # (T, n)
+                    dd = (d.T @ d).double()  # (n, n)
+                    a["ddt"] = dd if "ddt" not in a else a["ddt"] + dd
+                outp.register_hook(bwd)
+        return fwd
+
+    flags = {p: p.requires_grad for p in model.parameters()}
+    was_training = model.training
+    handles = [modules[n].register_forward_hook(make_hook(n)) for n in names] if want_act else []
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for n in names:
+            modules[n].weight.requires_grad_(True)
+        model.eval()
+        for i, batch in enumerate(tqdm(batches, desc="calibration", disable=not progress)):
+            mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+            mask_holder["mask"] = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+            for n in names:
+                modules[n].weight.grad = None
+            loss = loss_fn(model, batch)
+            if not torch.isfinite(loss):
+                raise FisherkronError(f"loss of batch {i} is {float(loss)}; check the data (nothing was cached)")
+            loss.backward()
+            for n in names:
+                G = modules[n].weight.grad  # (n, m)
+                if G is None:
+                    raise FisherkronError(f"layer {n} got no gradient in batch {i}; is it used by the loss?")
+                if not torch.isfinite(G).all():
+                    raise FisherkronError(f"gradient of layer {n} in batch {i} has NaN/inf entries "
+                                          f"(nothing was cached)")
+                if "grads" in stats:
+                    grads_mm[n][i] = G.detach().float().cpu().numpy()
+                if "diag_fisher" in stats:
+                    g2 = G.detach().double() ** 2
+                    acc[n]["g2"] = g2 if "g2" not in acc[n] else acc[n]["g2"] + g2
+                modules[n].weight.grad = None
+    finally:
+        for h in handles:
+            h.remove()
+        for p, f in flags.items():
+            p.requires_grad_(f)
+        model.train(was_training)
+        for mm in grads_mm.values():
+            mm.flush()
+        grads_mm.clear()
+    for n in names:
+        a = acc[n]
+        if "diag_fisher" in stats:
+            np.save(out / f"{n}.diag_fisher.npy", (a["g2"] / k).numpy())
+        if "abs_mean" in stats:
+            np.save(out / f"{n}.abs_mean.npy", (a["abs_sum"] / max(tokens[n], 1)).float().numpy())
+        if "xxt" in stats or "kfac" in stats:
+            np.save(out / f"{n}.xxt.npy", a["xxt"].numpy())
+        if "kfac" in stats:
+            if "ddt" not in a:
+                raise FisherkronError(f"layer {n}: no output gradients were seen for K-FAC")
+            np.save(out / f"{n}.ddt.npy", a["ddt"].numpy())
+    return tokens

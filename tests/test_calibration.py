@@ -1,0 +1,166 @@
+"""Calibration statistics against torch autograd and dense references; the cache and its guards."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+from fisherkron.calibration import collect_calibration, select_layers
+from fisherkron.conventions import FisherkronError
+from fisherkron.kfac import kfac_factors
+
+FLOAT32 = dict(rtol=1e-4, atol=1e-6)  # same float32 graph, different accumulation order
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_bert(seed=0):
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=50, hidden_size=20, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=36, max_position_embeddings=32, num_labels=3)
+    return BertForSequenceClassification(cfg).eval()
+
+
+def lm_batches(k=3, B=2, T=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(k):
+        x = torch.randint(0, 97, (B, T), generator=g)
+        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
+    return out
+
+
+def bert_batches(k=3, B=3, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(k):
+        x = torch.randint(1, 50, (B, T), generator=g)
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[0, 4:] = 0  # one padded row: its pad tokens must not enter activation statistics
+        out.append({"input_ids": x, "attention_mask": mask, "labels": torch.randint(0, 3, (B,), generator=g)})
+    return out
+
+
+def test_select_layers_regex_glob_and_error():
+    model = tiny_llama()
+    assert select_layers(model, r"model\.layers\.0\.mlp\.\w+_proj") == [
+        "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"]
+    assert select_layers(model, "model.layers.*.self_attn.q_proj") == [
+        "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    assert "lm_head" not in select_layers(model)  # default: transformer blocks only
+    assert len(select_layers(model)) == 14
+    with pytest.raises(FisherkronError, match=r"matches no nn.Linear; nearest layers: .*mlp") as err:
+        select_layers(model, "model.layers.0.mlp.gate")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_gradients_and_statistics_equal_autograd(kind, tmp_path):
+    model = tiny_llama() if kind == "llama" else tiny_bert()
+    batches = lm_batches() if kind == "llama" else bert_batches()
+    layers = r"model\.layers\.1\.(mlp\.down_proj|self_attn\.k_proj)" if kind == "llama" else \
+        r"bert\.encoder\.layer\.0\.(attention\.self\.query|intermediate\.dense)"
+    names = select_layers(model, layers)
+    stats = collect_calibration(model, batches, layers, cache_dir=tmp_path)
+    mods = dict(model.named_modules())
+
+    # independent reference: autograd per batch, activations and output grads via plain hooks
+    for n in names:
+        W = mods[n].weight
+        Gs, xs, ds = [], [], []
+        for b in batches:
+            cap = {}
+            h = mods[n].register_forward_hook(lambda m, i, o: cap.update(x=i[0], y=o))
+            out = model(**b)
+            h.remove()
+            G, dy = torch.autograd.grad(out.loss, [W, cap["y"]])
+            keep = b["attention_mask"].bool()
+            Gs.append(G)
+            xs.append(cap["x"][keep].detach())
+            ds.append(dy[keep])
+        G = torch.stack(Gs)  # (k, n, m)
+        np.testing.assert_allclose(stats.grads(n), G.numpy(), **FLOAT32)
+        torch.testing.assert_close(stats.diag_fisher(n).float(), (G ** 2).mean(0), **FLOAT32)
+        X = torch.cat(xs).double()  # (T, m)
+        torch.testing.assert_close(stats.input_abs_mean(n).double(), X.abs().mean(0), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(stats.xxt(n), X.T @ X, rtol=1e-5, atol=1e-6)
+        ref = kfac_factors(xs, ds, num_batches=len(batches))
+        got = stats.kfac(n)
+        torch.testing.assert_close(got.A, ref.A, rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(got.B, ref.B, rtol=1e-5, atol=1e-10)
+        # K-FAC B, summed over batches, matches the gradient: sum_t delta_t x_t^T = G_i
+        assert stats.layers[n]["tokens"] == X.shape[0]
+    assert all(p.requires_grad for p in model.parameters())  # flags restored
+
+
+def test_cache_reused_only_on_identical_configuration(tmp_path):
+    model = tiny_llama()
+    batches = lm_batches()
+    layers = "model.layers.0.mlp.*"
+    s1 = collect_calibration(model, batches, layers, cache_dir=tmp_path)
+    assert not s1.from_cache
+    s2 = collect_calibration(model, batches, layers, cache_dir=tmp_path)
+    assert s2.from_cache and s2.key == s1.key and s2.dir == s1.dir
+    # every change of configuration gives a new entry
+    changed = [
+        dict(model=model, batches=batches[:2], layers=layers),
+        dict(model=model, batches=batches, layers="model.layers.1.mlp.*"),
+        dict(model=model, batches=batches, layers=layers, seed=1),
+        dict(model=model, batches=lm_batches(seed=5), layers=layers),
+        dict(model=tiny_llama(seed=1), batches=batches, layers=layers),
+    ]
+    keys = {s1.key}
+    for kw in changed:
+        s = collect_calibration(kw.pop("model"), kw.pop("batches"), kw.pop("layers"), cache_dir=tmp_path, **kw)
+        assert not s.from_cache
+        keys.add(s.key)
+    assert len(keys) == len(changed) + 1
+
+
+def test_corrupt_or_mismatched_cache_is_recomputed(tmp_path):
+    model = tiny_llama()
+    batches = lm_batches()
+    s1 = collect_calibration(model, batches, "model.layers.0.mlp.up_proj", cache_dir=tmp_path)
+    good = s1.grads("model.layers.0.mlp.up_proj").copy()
+    f = s1.grads_path("model.layers.0.mlp.up_proj")
+    raw = bytearray(f.read_bytes())
+    raw[-8:] = b"\xff" * 8  # flip the last two float32 values into NaN, same size
+    f.write_bytes(bytes(raw))
+    s2 = collect_calibration(model, batches, "model.layers.0.mlp.up_proj", cache_dir=tmp_path)
+    assert not s2.from_cache
+    np.testing.assert_array_equal(s2.grads("model.layers.0.mlp.up_proj"), good)
+    # a manifest of another configuration in the right folder is never used
+    man = json.loads((s2.dir / "manifest.json").read_text())
+    man["key"] = "0" * 32
+    (s2.dir / "manifest.json").write_text(json.dumps(man))
+    s3 = collect_calibration(model, batches, "model.layers.0.mlp.up_proj", cache_dir=tmp_path)
+    assert not s3.from_cache
+    (s3.dir / "manifest.json").write_text("{not json")
+    assert not collect_calibration(model, batches, "model.layers.0.mlp.up_proj", cache_dir=tmp_path).from_cache
+    assert collect_calibration(model, batches, "model.layers.0.mlp.up_proj", cache_dir=tmp_path).from_cache
+
+
+def test_nan_gradient_names_layer_and_batch_and_caches_nothing(tmp_path):
+    model = tiny_llama()
+    batches = lm_batches()
+    name = "model.layers.1.mlp.down_proj"
+    mod = dict(model.named_modules())[name]
+    calls = {"n": 0}
+
+    def poison(m, grad_in, grad_out):  # NaN into the weight gradient on the second batch only
+        calls["n"] += 1
+        if calls["n"] == 2:
+            return (grad_in[0] * float("nan"),)
+    mod.register_full_backward_hook(poison)
+    with pytest.raises(FisherkronError) as err:
+        collect_calibration(model, batches, r"model\.layers\.\d\.mlp\.down_proj", cache_dir=tmp_path)
+    msg = str(err.value)
+    assert "\n" not in msg and "batch 1" in msg and "NaN" in msg
+    assert "model.layers.0.mlp.down_proj" in msg  # NaN flows back to the earlier layer too
+    assert not [p for p in tmp_path.iterdir()]  # no cache entry, no temporary leftovers
