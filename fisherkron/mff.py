@@ -1,0 +1,314 @@
+r"""Matrix-free Fisher Factorization, MFF (paper Sec. 4, Algorithm 1).
+
+The best Kronecker approximation of the empirical Fisher in Frobenius norm,
+
+.. math:: \min_{A,B}\lVert F - A\otimes B\rVert_F
+          = \min_{A,B}\lVert R(F) - \mathrm{vec}(A)\mathrm{vec}(B)^\top\rVert_F ,
+
+is the leading singular triplet ``(sigma_1, u_1, v_1)`` of the rearranged
+Fisher ``R(F)`` (Van Loan & Pitsianis 1993): ``A = sqrt(sigma_1) mat(u_1)``
+(``m x m``) and ``B = sqrt(sigma_1) mat(v_1)`` (``n x n``). The triplet is
+found with Golub-Kahan-Lanczos bidiagonalisation on the matrix-free operator
+of :mod:`fisherkron.operators` (the paper uses ARPACK through ``svds``).
+
+Speed comes from needing few products: the iteration starts from the K-FAC
+output factor ``B`` (or a previous solution, or ``I``), keeps full
+re-orthogonalisation, takes a Rayleigh-Ritz estimate after *every* product
+(matvec or rmatvec), and stops when the relative change of ``A (x) B``
+between two estimates is below ``tol``. Because ``R(F)`` maps symmetric
+matrices to symmetric matrices, a symmetric start keeps every iterate
+symmetric; for ``F`` positive semidefinite the leading pair is symmetric PSD
+(Van Loan & Pitsianis 1993), so ``terms=1`` works in that subspace.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ._checks import check_square
+from .conventions import FisherkronError
+from .operators import GradientStack, RearrangedFisher, matvec_flops
+
+__all__ = ["MFFResult", "mff", "kronecker_terms"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MFFResult:
+    """Output of :func:`mff`: ``F ~= A (x) B`` (+ further terms when ``terms > 1``).
+
+    Attributes:
+        A: ``(m, m)`` input-side factor, symmetric, sign fixed so ``tr A > 0``.
+        B: ``(n, n)`` output-side factor, symmetric, sign fixed so ``tr B > 0``.
+        sigma: leading singular values of ``R(F)`` (``terms`` of them).
+        fisher_norm_sq: ``||F||_F^2`` from the ``k x k`` Gram matrix (nan if not computed).
+        matvecs: products with ``R(F)`` or ``R(F)^T`` used.
+        converged: whether the stopping rule was met before ``max_matvecs``.
+        rel_change: last relative change of ``A (x) B`` between two Ritz estimates.
+        residual: Lanczos residual bound ``||R^T u - sigma v|| / sigma`` of the leading triplet.
+        seconds: wall time of the factorisation (setup and products, not ``||F||``);
+            ``flops`` the flops of the products.
+        terms_A, terms_B: all Kronecker terms (``F ~= sum_j A_j (x) B_j``) when ``terms > 1``.
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    sigma: torch.Tensor
+    fisher_norm_sq: float
+    matvecs: int
+    converged: bool
+    rel_change: float
+    residual: float
+    seconds: float
+    flops: int
+    history: list[float] = field(default_factory=list)
+    terms_A: list[torch.Tensor] = field(default_factory=list)
+    terms_B: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def fisher_share(self) -> float:
+        """Share of the Fisher captured by ``A (x) B``: ``sigma_1^2 / ||F||_F^2``."""
+        return float(self.sigma[0] ** 2 / self.fisher_norm_sq) if self.fisher_norm_sq > 0 else float("nan")
+
+    @property
+    def gflops(self) -> float:
+        """Achieved GFLOP/s of the products over the whole call."""
+        return self.flops / max(self.seconds, 1e-12) / 1e9
+
+
+def _sym(X: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (X + X.T)
+
+
+def _start_matrix(init, n: int, device, dtype) -> torch.Tensor:
+    """The Lanczos start ``Z_0`` (``n x n``, output side) from ``init``."""
+    if init is None:
+        return torch.eye(n, device=device, dtype=dtype)
+    if isinstance(init, (tuple, list)):  # (A, B) from K-FAC or a previous solution
+        init = init[1]
+    for attr in ("B",):
+        if hasattr(init, attr):
+            init = getattr(init, attr)
+    Z0 = torch.as_tensor(init).to(device, dtype)
+    check_square(Z0, "init (the output-side factor B)", n)
+    if not torch.isfinite(Z0).all() or Z0.norm() == 0:
+        raise FisherkronError("init (the output-side factor B) is zero or has NaN/inf entries")
+    return Z0
+
+
+class _GolubKahan:
+    """Golub-Kahan-Lanczos bidiagonalisation of ``R`` with full re-orthogonalisation.
+
+    ``R V_j = U_j B_j`` with ``B_j`` upper bidiagonal (``alpha`` on the
+    diagonal, ``beta`` above it). The projected matrix ``U^T R V`` is read off
+    after every product; its SVD gives the Ritz triplets.
+    """
+
+    def __init__(self, op: RearrangedFisher, Z0: torch.Tensor, symmetric: bool):
+        self.op, self.symmetric = op, symmetric
+        v = Z0 / Z0.norm()
+        self.V = [v]  # right basis: (n, n) matrices (B side)
+        self.U: list[torch.Tensor] = []  # left basis: (m, m) matrices (A side)
+        self.alpha: list[float] = []
+        self.beta: list[float] = []
+        self.breakdown = False
+
+    @staticmethod
+    def _orth(w: torch.Tensor, basis: list[torch.Tensor]) -> torch.Tensor:
+        for _ in range(2):  # twice is enough (Kahan-Parlett)
+            for q in basis:
+                w = w - (q * w).sum() * q
+        return w
+
+    def step(self) -> None:
+        """One product: a matvec if ``len(U) < len(V)``, else an rmatvec."""
+        if len(self.U) < len(self.V):
+            w = self.op.apply(self.V[-1])  # (m, m)
+            if self.symmetric:
+                w = _sym(w)
+            w = self._orth(w, self.U)
+            a = float(w.norm())
+            self.alpha.append(a)
+            self.U.append(w / a if a > 0 else w)
+        else:
+            w = self.op.apply_adjoint(self.U[-1])  # (n, n)
+            if self.symmetric:
+                w = _sym(w)
+            w = self._orth(w, self.V)
+            b = float(w.norm())
+            self.beta.append(b)
+            if b <= 1e-14 * max(self.alpha):  # invariant subspace found: Ritz values are exact
+                self.breakdown = True
+            self.V.append(w / b if b > 0 else w)
+
+    def projected(self) -> torch.Tensor:
+        """``U^T R V`` (``j x j`` or ``j x (j+1)``), float64 on the CPU."""
+        j, c = len(self.U), len(self.V)
+        M = torch.zeros(j, c, dtype=torch.float64)
+        for i, a in enumerate(self.alpha):
+            M[i, i] = a
+        for i, b in enumerate(self.beta[:j]):
+            if i + 1 < c:
+                M[i, i + 1] = b
+        return M
+
+    def ritz(self, r: int):
+        """Top-``r`` Ritz values and coefficient vectors, plus residual bounds."""
+        M = self.projected()
+        X, s, Yt = torch.linalg.svd(M, full_matrices=False)
+        r = min(r, s.numel())
+        X, s, Y = X[:, :r], s[:r], Yt[:r].T
+        # Residual bound of the Ritz triplets of the square part B_j = M[:, :j]:
+        # R^T U_j = V_j B_j^T + beta_j v_{j+1} e_j^T, so ||R^T u - s v|| = beta_j |x_j|.
+        if len(self.V) > len(self.U) and self.beta:
+            Xs, ss, _ = torch.linalg.svd(M[:, : len(self.U)], full_matrices=False)
+            res = self.beta[-1] * Xs[-1, :r].abs()
+        else:
+            res = torch.full((r,), float("nan"), dtype=torch.float64)
+        return s, X, Y, res
+
+    def matrices(self, X: torch.Tensor, Y: torch.Tensor, i: int):
+        a = sum(float(X[j, i]) * u for j, u in enumerate(self.U))
+        b = sum(float(Y[j, i]) * v for j, v in enumerate(self.V[:Y.shape[0]]))
+        return a, b
+
+
+def _kron_change(s_new, x_new, y_new, s_old, x_old, y_old) -> float:
+    """``||s_n a_n (x) b_n - s_o a_o (x) b_o||_F / s_n`` in basis coordinates.
+
+    With orthonormal bases, ``a = U x`` and ``b = V y``, the difference is the
+    small matrix ``s_n x_n y_n^T - s_o x_o y_o^T`` (zero-padded), whose norm is
+    taken directly: no cancellation, unlike ``s_n^2 + s_o^2 - 2 s_n s_o <.,.>``.
+    """
+    xo = torch.zeros_like(x_new)
+    xo[: x_old.numel()] = x_old
+    yo = torch.zeros_like(y_new)
+    yo[: y_old.numel()] = y_old
+    D = s_new * torch.outer(x_new, y_new) - s_old * torch.outer(xo, yo)
+    D2 = s_new * torch.outer(x_new, y_new) + s_old * torch.outer(xo, yo)  # singular vectors have a sign
+    return float(min(D.norm(), D2.norm())) / s_new
+
+
+def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matvecs: int = 300,
+        dtype: torch.dtype = torch.float32, device=None, memory_budget: int | None = None,
+        compute_norm: bool = True, name: str = "layer") -> MFFResult:
+    r"""Algorithm 1 (MFF): ``F ~= A (x) B`` from the leading singular triplet of ``R(F)``.
+
+    ``R(F) vec(B) ~= sigma vec(A)``; ``A = sqrt(sigma) mat(u_1)``,
+    ``B = sqrt(sigma) mat(v_1)``; both symmetric, signed so that their traces
+    are positive (they are then PSD up to round-off for PSD ``F``).
+
+    Args:
+        grads: ``k`` per-batch gradients of an ``n x m`` layer: a ``(k, n, m)``
+            tensor, a ``.npy`` path, a :class:`GradientStack`, or an iterable of
+            ``(n, m)`` tensors (streamed; spilled to disk past ``memory_budget``).
+        init: warm start: K-FAC factors ``(A, B)`` (see :func:`kfac_factors`),
+            a previous :class:`MFFResult`, or an ``n x n`` matrix ``B``.
+            Default: ``I_n`` (for ``terms > 1``: a seeded random start).
+        tol: stop when the relative change of ``A (x) B`` between two Ritz
+            estimates is below ``tol`` (``terms > 1``: when the residual bounds
+            of the top ``terms`` triplets are). Default 1e-5 (float32) or 1e-10
+            (float64).
+        terms: number of Kronecker terms (singular triplets) to return.
+        max_matvecs: budget of products with ``R(F)`` or ``R(F)^T``.
+        dtype: compute dtype of the GEMMs (float32 default; float64 for references).
+        device: device of the GEMMs (default: that of ``grads``).
+        memory_budget: bytes the gradients and work buffers may use.
+        compute_norm: compute ``||F||_F^2`` (one extra pass over the gradients).
+        name: layer name for error messages.
+
+    Example:
+        >>> A0, B0 = torch.eye(2, dtype=torch.float64), torch.diag(torch.tensor([1., 2., 3.], dtype=torch.float64))
+        >>> G = torch.stack([torch.randn(3, 2, dtype=torch.float64) for _ in range(50)])
+        >>> res = mff(G, dtype=torch.float64)
+        >>> res.A.shape, res.B.shape
+        (torch.Size([2, 2]), torch.Size([3, 3]))
+    """
+    if terms < 1:
+        raise FisherkronError(f"terms must be >= 1, got {terms}")
+    t0 = time.perf_counter()
+    stack = grads if isinstance(grads, GradientStack) and grads.dtype == dtype else \
+        GradientStack(grads, dtype=dtype, device=device, memory_budget=memory_budget, name=name)
+    op = RearrangedFisher(stack)
+    n, m, k = op.n, op.m, op.k
+    if terms > min(n, m) ** 2:
+        raise FisherkronError(f"terms={terms} exceeds the rank bound min(n, m)^2={min(n, m) ** 2} of R(F)")
+    if tol is None:
+        tol = 1e-10 if dtype == torch.float64 else 1e-5
+    symmetric = terms == 1
+    if symmetric:
+        Z0 = _start_matrix(init, n, stack.device, dtype)
+        Z0 = _sym(Z0)
+    else:
+        gen = torch.Generator().manual_seed(0)
+        Z0 = torch.randn(n, n, generator=gen, dtype=torch.float64).to(stack.device, dtype)
+    if Z0.norm() == 0:
+        raise FisherkronError("init (the output-side factor B) has a zero symmetric part")
+    gk = _GolubKahan(op, Z0, symmetric)
+
+    history: list[float] = []
+    prev = None
+    converged = False
+    change = float("inf")
+    res_bound = float("nan")
+    min_steps = 2 * terms + 1
+    while op.num_matvecs < max_matvecs:
+        gk.step()
+        s, X, Y, res = gk.ritz(terms)
+        if s.numel() == 0 or s[0] <= 0:
+            if gk.alpha and gk.alpha[0] == 0:
+                raise FisherkronError(f"{name}: R(F) maps the start to zero (all gradients zero?)")
+            continue
+        if not torch.isnan(res[0]):
+            res_bound = float(res[:terms].max() / s[0]) if res.numel() >= 1 else float("nan")
+        if prev is not None and terms == 1:
+            change = _kron_change(float(s[0]), X[:, 0], Y[:, 0], *prev)
+            history.append(change)
+            if change < tol:
+                converged = True
+                break
+        if terms > 1 and s.numel() >= terms and op.num_matvecs >= min_steps and res_bound < tol:
+            converged = True
+            break
+        if gk.breakdown:
+            converged = True
+            break
+        prev = (float(s[0]), X[:, 0].clone(), Y[:, 0].clone())
+    else:
+        log.warning("%s: MFF stopped at max_matvecs=%d with relative change %.2e > tol=%.1e",
+                    name, max_matvecs, change, tol)
+
+    s, X, Y, res = gk.ritz(terms)
+    if s.numel() < terms:
+        raise FisherkronError(f"{name}: only {s.numel()} Kronecker terms found within max_matvecs={max_matvecs}")
+    terms_A, terms_B = [], []
+    for i in range(terms):
+        a, b = gk.matrices(X, Y, i)
+        a, b = a.double(), b.double()
+        if symmetric:
+            a, b = _sym(a), _sym(b)
+        if i == 0 and torch.trace(a) < 0:  # fix the sign so both factors are PSD
+            a, b = -a, -b
+        scale = math.sqrt(float(s[i]))
+        terms_A.append(scale * a)
+        terms_B.append(scale * b)
+    if stack.device.type == "cuda":
+        torch.cuda.synchronize(stack.device)
+    seconds = time.perf_counter() - t0
+    flops = op.num_matvecs * matvec_flops(n, m, k)
+    fnorm = stack.fisher_norm_sq() if compute_norm else float("nan")
+    log.debug("%s: MFF %d matvecs, %.2f s, change %.2e", name, op.num_matvecs, seconds, change)
+    return MFFResult(A=terms_A[0], B=terms_B[0], sigma=s.clone(), fisher_norm_sq=fnorm,
+                     matvecs=op.num_matvecs, converged=converged, rel_change=change,
+                     residual=res_bound, seconds=seconds, flops=flops,
+                     history=history, terms_A=terms_A if terms > 1 else [], terms_B=terms_B if terms > 1 else [])
+
+
+def kronecker_terms(grads, r: int, **kwargs) -> MFFResult:
+    """The top-``r`` Kronecker terms of ``F`` (the singular values of ``R(F)``; paper Fig. "singular values")."""
+    return mff(grads, terms=r, **kwargs)

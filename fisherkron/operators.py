@@ -1,0 +1,311 @@
+r"""Matrix-free rearranged Fisher (paper Sec. 4.1, Eq. (matvec), Appendices B-C).
+
+For per-batch gradients ``G_i`` (``n x m``) the empirical Fisher
+``F = (1/k) sum_i vec(G_i) vec(G_i)^T`` is rearranged (Van Loan-Pitsianis)
+into ``R(F) = (1/k) sum_i G_i^T (x) G_i^T`` (``m^2 x n^2``; see
+:mod:`fisherkron.conventions`). It is applied without ever forming ``F``:
+
+.. math::
+    R(F)\,\mathrm{vec}(Z) = \mathrm{vec}\Big(\tfrac1k\sum_i G_i^\top Z G_i\Big),
+    \qquad
+    R(F)^\top \mathrm{vec}(Y) = \mathrm{vec}\Big(\tfrac1k\sum_i G_i Y G_i^\top\Big).
+
+Each product is two plain GEMMs over the gradients stored in an
+``(n, k, m)`` layout (no Python loop over gradients):
+
+* matvec: ``P = Z @ G.view(n, k m)``; ``out = G.view(n k, m)^T @ P.view(n k, m)``
+* rmatvec: ``P = G.view(n k, m) @ Y``; ``out = P.view(n, k m) @ G.view(n, k m)^T``
+
+so one application costs ``2 k n m (n + m)`` flops. Gradients that do not fit
+the memory budget are streamed in chunks of batches, from memory or from a
+``.npy`` file opened memory-mapped.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse.linalg as spla
+import torch
+
+from ._checks import check_finite
+from .conventions import FisherkronError, unvec, vec
+
+__all__ = ["GradientStack", "RearrangedFisher", "rearranged_fisher", "matvec_flops", "default_memory_budget"]
+
+
+def matvec_flops(n: int, m: int, k: int) -> int:
+    """Flops of one application of ``R(F)`` or ``R(F)^T``: ``2 k n m (n + m)``."""
+    return 2 * k * n * m * (n + m)
+
+
+def default_memory_budget(device: torch.device) -> int:
+    """Half the free memory of a CUDA device, or a quarter of physical RAM on the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.5)
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.25)
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+class GradientStack:
+    """``k`` per-batch gradients of one ``n x m`` layer, read in chunks of batches.
+
+    Sources: a ``(k, n, m)`` tensor or array; a ``.npy`` file path (opened
+    memory-mapped, so it may exceed RAM); a list or any iterable of ``(n, m)``
+    gradients (a one-shot iterator is consumed once and kept in memory, or
+    spilled to a temporary ``.npy`` file once it outgrows ``memory_budget``).
+
+    Chunks are yielded in the ``(n, kc, m)`` layout the GEMMs need. When the
+    whole stack fits in half the budget it is converted once and kept
+    resident on ``device``.
+
+    Args:
+        grads: the gradients, as above.
+        dtype: compute dtype (float32 default; float64 for references).
+        device: where the GEMMs run; CUDA tensors stay on their device.
+        memory_budget: bytes the stack and its work buffers may use.
+        name: used in error messages (e.g. the layer name).
+    """
+
+    def __init__(self, grads, dtype: torch.dtype = torch.float32, device=None,
+                 memory_budget: int | None = None, name: str = "gradients"):
+        self.name = name
+        self.dtype = dtype
+        self._tmpfile: str | None = None
+        if isinstance(grads, GradientStack):
+            grads = grads._source if grads._source is not None else grads.stacked()
+        if isinstance(grads, (str, Path)):
+            path = Path(grads)
+            if not path.exists():
+                raise FisherkronError(f"{name}: gradient file {path} does not exist")
+            grads = np.load(path, mmap_mode="r")
+        if isinstance(grads, torch.Tensor) or isinstance(grads, np.ndarray):
+            src = grads
+        elif isinstance(grads, Iterable):
+            src = self._consume(grads, memory_budget)
+        else:
+            raise FisherkronError(f"{name}: expected a (k, n, m) tensor, a .npy path or an iterable of (n, m) "
+                                  f"gradients, got {type(grads).__name__}")
+        if src.ndim != 3:
+            raise FisherkronError(f"{name}: expected a (k, n, m) stack of gradients, got shape {tuple(src.shape)}")
+        self.k, self.n, self.m = (int(s) for s in src.shape)
+        if self.k < 1 or self.n < 1 or self.m < 1:
+            raise FisherkronError(f"{name}: empty gradient stack of shape {tuple(src.shape)}")
+        if device is None:
+            device = src.device if isinstance(src, torch.Tensor) else torch.device("cpu")
+        self.device = torch.device(device)
+        self._source = src
+        self.memory_budget = int(memory_budget) if memory_budget else default_memory_budget(self.device)
+        itemsize = torch.finfo(dtype).bits // 8
+        self.bytes_per_grad = self.n * self.m * itemsize
+        # A chunk needs itself, its (n, kc, m) copy and one work buffer of the same size.
+        self.chunk_size = max(1, min(self.k, self.memory_budget // (3 * self.bytes_per_grad)))
+        self._resident: list[torch.Tensor] | None = None
+        if 2 * self.k * self.bytes_per_grad <= self.memory_budget:
+            self._resident = list(self._load_chunks(self.k))
+            self.chunk_size = self.k
+
+    # -- construction helpers -------------------------------------------------
+    def _consume(self, it: Iterable, memory_budget: int | None) -> torch.Tensor | np.ndarray:
+        """Stack a one-shot iterable of (n, m) gradients, spilling to disk past the budget."""
+        budget = memory_budget or default_memory_budget(torch.device("cpu"))
+        store = torch.float64 if self.dtype == torch.float64 else torch.float32
+        held: list[torch.Tensor] = []
+        held_bytes = 0
+        fh = None
+        count = 0
+        shape = None
+        for i, g in enumerate(it):
+            g = torch.as_tensor(g)
+            if shape is None:
+                shape = tuple(g.shape)
+                if len(shape) != 2:
+                    raise FisherkronError(f"{self.name}: gradient 0 has shape {shape}, expected (n, m)")
+            elif tuple(g.shape) != shape:
+                raise FisherkronError(f"{self.name}: gradient {i} has shape {tuple(g.shape)}, "
+                                      f"expected {shape} like gradient 0")
+            if not torch.isfinite(g).all():
+                raise FisherkronError(f"{self.name}: gradient of batch {i} has NaN/inf entries")
+            g = g.detach().to("cpu", store)
+            count += 1
+            if fh is None:
+                held.append(g)
+                held_bytes += g.numel() * g.element_size()
+                if held_bytes > budget // 2:  # spill everything so far to a temporary file
+                    fd, self._tmpfile = tempfile.mkstemp(suffix=".bin", prefix="fisherkron-grads-")
+                    fh = os.fdopen(fd, "wb")
+                    for h in held:
+                        fh.write(h.numpy().tobytes())
+                    held = []
+            else:
+                fh.write(g.numpy().tobytes())
+        if count == 0:
+            raise FisherkronError(f"{self.name}: no gradients were given")
+        if fh is None:
+            return torch.stack(held)
+        fh.close()
+        np_store = np.float64 if store == torch.float64 else np.float32
+        return np.memmap(self._tmpfile, dtype=np_store, mode="r", shape=(count, *shape))
+
+    def _load_chunks(self, size: int) -> Iterator[torch.Tensor]:
+        src = self._source
+        for start in range(0, self.k, size):
+            stop = min(self.k, start + size)
+            part = src[start:stop]
+            if isinstance(part, np.ndarray):
+                part = torch.from_numpy(np.array(part, copy=True))  # owned, writable
+            part = part.to(self.device, self.dtype)  # (kc, n, m)
+            if not torch.isfinite(part).all():
+                bad = (~torch.isfinite(part)).flatten(1).any(1).nonzero()[0, 0].item() + start
+                raise FisherkronError(f"{self.name}: gradient of batch {bad} has NaN/inf entries")
+            yield part.permute(1, 0, 2).contiguous()  # (n, kc, m)
+
+    def chunks(self) -> Iterator[torch.Tensor]:
+        """Yield the gradients as ``(n, kc, m)`` tensors on ``device``."""
+        if self._resident is not None:
+            yield from self._resident
+        else:
+            yield from self._load_chunks(self.chunk_size)
+
+    @property
+    def streamed(self) -> bool:
+        """True when the gradients are re-read chunk by chunk on every pass."""
+        return self._resident is None
+
+    def stacked(self) -> torch.Tensor:
+        """All gradients as one ``(k, n, m)`` tensor (small problems only)."""
+        return torch.cat([c.permute(1, 0, 2) for c in self.chunks()], dim=0)
+
+    def gram(self) -> torch.Tensor:
+        """Gram matrix ``Gamma[i, j] = <G_i, G_j>`` (``k x k``, float64)."""
+        K = torch.zeros(self.k, self.k, dtype=torch.float64, device=self.device)
+        offs_i = 0
+        for ci in self.chunks():
+            fi = ci.permute(1, 0, 2).reshape(ci.shape[1], -1)  # (kc_i, n m)
+            offs_j = 0
+            for cj in self.chunks():
+                if offs_j >= offs_i:
+                    fj = cj.permute(1, 0, 2).reshape(cj.shape[1], -1)
+                    blk = (fi @ fj.T).double()
+                    K[offs_i:offs_i + fi.shape[0], offs_j:offs_j + fj.shape[0]] = blk
+                    K[offs_j:offs_j + fj.shape[0], offs_i:offs_i + fi.shape[0]] = blk.T
+                offs_j += cj.shape[1]
+            offs_i += ci.shape[1]
+        return K
+
+    def fisher_norm_sq(self) -> float:
+        """``||F||_F^2 = (1/k^2) sum_ij <G_i, G_j>^2`` from the ``k x k`` Gram matrix."""
+        return float((self.gram() ** 2).sum() / self.k ** 2)
+
+    def close(self) -> None:
+        if self._tmpfile and os.path.exists(self._tmpfile):
+            self._source = None
+            os.unlink(self._tmpfile)
+            self._tmpfile = None
+
+    def __del__(self):  # pragma: no cover - best effort cleanup of spilled gradients
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class RearrangedFisher(spla.LinearOperator):
+    r"""``R(F) = (1/k) sum_i G_i^T (x) G_i^T`` as a scipy ``LinearOperator`` (``m^2 x n^2``).
+
+    ``matvec(vec(Z)) = vec((1/k) sum_i G_i^T Z G_i)`` (Eq. matvec) and
+    ``rmatvec(vec(Y)) = vec((1/k) sum_i G_i Y G_i^T)`` (Eq. rmatvec), with
+    column-major ``vec``. The matrix forms :meth:`apply` and
+    :meth:`apply_adjoint` work on torch tensors on the gradients' device and
+    are what :func:`fisherkron.mff` uses. ``num_matvecs`` counts applications.
+    """
+
+    def __init__(self, grads: GradientStack):
+        self.grads = grads
+        self.n, self.m, self.k = grads.n, grads.m, grads.k
+        self.num_matvecs = 0
+        np_dtype = np.float64 if grads.dtype == torch.float64 else np.float32
+        super().__init__(dtype=np_dtype, shape=(self.m ** 2, self.n ** 2))
+
+    # -- matrix forms ---------------------------------------------------------
+    def apply(self, Z: torch.Tensor) -> torch.Tensor:
+        """``(1/k) sum_i G_i^T Z G_i`` for ``Z`` (``n x n``) -> ``m x m`` (float64 accumulation)."""
+        n, m = self.n, self.m
+        Z = Z.to(self.grads.device, self.grads.dtype)
+        out = torch.zeros(m, m, dtype=torch.float64, device=self.grads.device)
+        for Gc in self.grads.chunks():  # (n, kc, m)
+            kc = Gc.shape[1]
+            P = Z @ Gc.view(n, kc * m)  # (n, kc m): Z G_i side by side
+            out += (Gc.view(n * kc, m).T @ P.view(n * kc, m)).double()  # (m, m) = sum_i G_i^T Z G_i
+        self.num_matvecs += 1
+        return out / self.k
+
+    def apply_adjoint(self, Y: torch.Tensor) -> torch.Tensor:
+        """``(1/k) sum_i G_i Y G_i^T`` for ``Y`` (``m x m``) -> ``n x n`` (float64 accumulation)."""
+        n, m = self.n, self.m
+        Y = Y.to(self.grads.device, self.grads.dtype)
+        out = torch.zeros(n, n, dtype=torch.float64, device=self.grads.device)
+        for Gc in self.grads.chunks():  # (n, kc, m)
+            kc = Gc.shape[1]
+            P = Gc.view(n * kc, m) @ Y  # (n kc, m): G_i Y stacked
+            out += (P.view(n, kc * m) @ Gc.view(n, kc * m).T).double()  # (n, n) = sum_i G_i Y G_i^T
+        self.num_matvecs += 1
+        return out / self.k
+
+    # -- scipy LinearOperator interface ----------------------------------------
+    def _matvec(self, x):
+        x = np.asarray(x).reshape(-1)
+        Z = unvec(torch.from_numpy(np.ascontiguousarray(x)), self.n, self.n)
+        return vec(self.apply(Z)).cpu().numpy().astype(self.dtype, copy=False)
+
+    def _rmatvec(self, x):
+        x = np.asarray(x).reshape(-1)
+        Y = unvec(torch.from_numpy(np.ascontiguousarray(x)), self.m, self.m)
+        return vec(self.apply_adjoint(Y)).cpu().numpy().astype(self.dtype, copy=False)
+
+    def _adjoint(self):
+        return _Adjoint(self)
+
+    def materialize(self) -> torch.Tensor:
+        """Dense ``R(F)`` (float64, ``m^2 x n^2``) from the gradients; for small tests only."""
+        G = self.grads.stacked().double()  # (k, n, m)
+        return sum(torch.kron(Gi.T.contiguous(), Gi.T.contiguous()) for Gi in G) / self.k
+
+
+class _Adjoint(spla.LinearOperator):
+    def __init__(self, op: RearrangedFisher):
+        self.op = op
+        super().__init__(dtype=op.dtype, shape=(op.shape[1], op.shape[0]))
+
+    def _matvec(self, x):
+        return self.op._rmatvec(x)
+
+    def _rmatvec(self, x):
+        return self.op._matvec(x)
+
+
+def rearranged_fisher(grads, dtype: torch.dtype = torch.float64, device=None,
+                      memory_budget: int | None = None) -> RearrangedFisher:
+    """The rearranged Fisher ``R(F) = (1/k) sum_i G_i^T (x) G_i^T`` as a ``LinearOperator``.
+
+    Args:
+        grads: ``(k, n, m)`` tensor/array, ``.npy`` path, or iterable of ``(n, m)`` gradients.
+        dtype: float64 (default, for use with scipy solvers) or float32.
+
+    Example:
+        >>> G = torch.randn(4, 3, 2, dtype=torch.float64)   # k=4 gradients of a 3 x 2 layer
+        >>> R = rearranged_fisher(G)
+        >>> R.shape                                           # (m^2, n^2)
+        (4, 9)
+        >>> bool(np.allclose(R @ np.ones(9), R.materialize().numpy() @ np.ones(9)))
+        True
+    """
+    stack = grads if isinstance(grads, GradientStack) and grads.dtype == dtype else \
+        GradientStack(grads, dtype=dtype, device=device, memory_budget=memory_budget)
+    return RearrangedFisher(stack)

@@ -1,0 +1,218 @@
+r"""Weighted SVD compression: GFWSVD (paper Sec. 5, Theorem 1) and its special cases.
+
+One kernel serves every method. With a left weight ``L_B`` (``n x n``, output
+side) and a right weight ``L_A`` (``m x m``, input side), Theorem 1 / Eq. (4):
+
+.. math::
+    \widetilde W = L_B^\top W L_A,\quad U S V^\top = \mathrm{SVD}_r(\widetilde W),\quad
+    W_1 = S^{1/2} V^\top L_A^{-1},\quad W_2 = L_B^{-\top} U S^{1/2},
+
+so ``W_2 W_1 = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}`` minimises
+``||L_B^T (W - W_r) L_A||_F^2 = vec(W - W_r)^T (A (x) B) vec(W - W_r)`` over
+rank-``r`` matrices. The weights of each method:
+
+=========  ==========================================  =====================================
+method     left ``L_B`` (n x n)                        right ``L_A`` (m x m)
+=========  ==========================================  =====================================
+SVD        ``I``                                       ``I``
+FWSVD      ``diag(sqrt(sum_j E[G_ij^2]))`` (App. E)     ``I``
+ASVD       ``I``                                       ``diag(mean|x|^alpha)``
+SVD-LLM    ``I``                                       ``chol(X X^T)``
+GFWSVD     ``chol(B)``                                 ``chol(A)``
+=========  ==========================================  =====================================
+
+Weights are ``None`` (identity), a vector (diagonal) or a lower-triangular
+matrix (solved with triangular solves, never inverted).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ._checks import as_tensor, check_finite, check_matrix, check_rank, check_square
+from .conventions import FisherkronError
+from .regularize import Regularized, regularize
+
+__all__ = ["weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "fisher_weighted_error",
+           "transform", "diagonal_floor"]
+
+log = logging.getLogger(__name__)
+
+
+def diagonal_floor(d: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
+    """Clamp a positive weight vector at ``rel * mean(d)`` so it can be divided by."""
+    mean = float(d.abs().mean())
+    if mean == 0.0:
+        raise FisherkronError("a diagonal weight is zero everywhere; it carries no information")
+    return torch.clamp(d, min=rel * mean)
+
+
+def _weight(Lw, size: int, name: str, dtype) -> torch.Tensor | None:
+    if Lw is None:
+        return None
+    Lw = as_tensor(Lw, name).to(dtype)
+    check_finite(Lw, name)
+    if Lw.ndim == 1:
+        if Lw.numel() != size:
+            raise FisherkronError(f"{name} has {Lw.numel()} entries, expected {size}")
+        if (Lw <= 0).any():
+            raise FisherkronError(f"{name} must be positive on the diagonal; floor it first (diagonal_floor)")
+        return Lw
+    check_square(Lw, name, size)
+    return Lw
+
+
+def transform(W: torch.Tensor, left=None, right=None) -> torch.Tensor:
+    """``W~ = L_B^T W L_A`` for the weights described in :func:`weighted_svd`."""
+    Wt = W
+    if left is not None:
+        Wt = left[:, None] * Wt if left.ndim == 1 else left.T @ Wt  # (n, m)
+    if right is not None:
+        Wt = Wt * right[None, :] if right.ndim == 1 else Wt @ right  # (n, m)
+    return Wt
+
+
+def _solve_upper_T(Lw: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """``Lw^{-T} X`` by a triangular solve when ``Lw`` is lower triangular, else a general solve."""
+    if torch.equal(Lw, torch.tril(Lw)):
+        return torch.linalg.solve_triangular(Lw.T, X, upper=True)
+    return torch.linalg.solve(Lw.T, X)
+
+
+def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = torch.float64,
+                 name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The weighted-SVD kernel, Eq. (4): ``W_2 W_1 = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}``.
+
+    Args:
+        W: ``(n, m)`` weight (out x in).
+        rank: ``r`` in ``1..min(n, m)``.
+        left: ``L_B``: ``None`` (identity), a length-``n`` positive vector, or an ``n x n``
+            (lower-triangular) matrix.
+        right: ``L_A``: ``None``, a length-``m`` positive vector, or an ``m x m`` matrix.
+        dtype: computation dtype (float64 default); the factors are returned in ``W``'s dtype.
+        name: layer name for error messages.
+
+    Returns:
+        ``(W2, W1)``: ``W2`` is ``(n, r)``, ``W1`` is ``(r, m)``, ``W ~= W2 @ W1``.
+
+    Example:
+        >>> W = torch.randn(7, 5)
+        >>> W2, W1 = weighted_svd(W, 5)   # full rank: exact
+        >>> bool(torch.allclose(W2 @ W1, W, atol=1e-5))
+        True
+    """
+    W = as_tensor(W, name)
+    out_dtype = W.dtype if W.is_floating_point() else torch.float32
+    check_matrix(W, name)
+    check_finite(W, name)
+    n, m = W.shape
+    rank = check_rank(rank, n, m, name)
+    W = W.to(dtype)
+    LB = _weight(left, n, f"{name}: left weight L_B", dtype)
+    LA = _weight(right, m, f"{name}: right weight L_A", dtype)
+    if LB is not None:
+        LB = LB.to(W.device)
+    if LA is not None:
+        LA = LA.to(W.device)
+    Wt = transform(W, LB, LA)  # (n, m): L_B^T W L_A
+    U, S, Vh = torch.linalg.svd(Wt, full_matrices=False)
+    U, S, Vh = U[:, :rank], S[:rank], Vh[:rank]  # (n, r), (r,), (r, m)
+    s = S.sqrt()
+    US = U * s[None, :]  # (n, r): U S^1/2
+    SV = s[:, None] * Vh  # (r, m): S^1/2 V^T
+    if LB is None:
+        W2 = US
+    elif LB.ndim == 1:
+        W2 = US / LB[:, None]
+    else:
+        W2 = _solve_upper_T(LB, US)  # L_B^{-T} U S^1/2
+    if LA is None:
+        W1 = SV
+    elif LA.ndim == 1:
+        W1 = SV / LA[None, :]
+    else:
+        W1 = _solve_upper_T(LA, SV.T).T  # S^1/2 V^T L_A^{-1}
+    return W2.to(out_dtype), W1.to(out_dtype)
+
+
+def _chol(F, size: int, name: str, alpha, method: str) -> torch.Tensor:
+    if isinstance(F, Regularized):
+        check_square(F.L, name, size)
+        return F.L
+    F = as_tensor(F, name)
+    check_square(F, name, size)
+    reg = regularize(F, alpha=alpha, method=method, name=name)
+    if reg.alpha > 0:
+        log.info("%s needed alpha=%.3g (%s) for a Cholesky factor", name, reg.alpha, method)
+    return reg.L
+
+
+def gfwsvd(W, A, B, rank: int, *, alpha: float | None = None, method: str = "diag",
+           name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    r"""GFWSVD (Theorem 1): rank-``r`` ``W ~= W2 W1`` optimal for ``F ~= A (x) B``.
+
+    ``W~ = L_B^T W L_A``, ``U S V^T = SVD_r(W~)``, ``W1 = S^1/2 V^T L_A^{-1}``,
+    ``W2 = L_B^{-T} U S^1/2`` with ``A = L_A L_A^T`` (``m x m``, input side) and
+    ``B = L_B L_B^T`` (``n x n``, output side). Factors that are not positive
+    definite are regularised by :func:`fisherkron.regularize` (``alpha``
+    searched unless given); pass :class:`Regularized` objects to control it.
+    """
+    W = as_tensor(W, name)
+    check_matrix(W, name)
+    n, m = W.shape
+    LA = _chol(A, m, f"{name}: A (input side, m x m)", alpha, method)
+    LB = _chol(B, n, f"{name}: B (output side, n x n)", alpha, method)
+    return weighted_svd(W, rank, left=LB, right=LA, name=name)
+
+
+def svd(W, rank: int, *, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated SVD: ``W2 = U S^1/2``, ``W1 = S^1/2 V^T`` (identity weights)."""
+    return weighted_svd(W, rank, name=name)
+
+
+def fwsvd(W, fisher_rows, rank: int, *, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    r"""FWSVD (Hsu et al. 2022; paper App. E): left weight ``D = diag(sqrt(sum_j E[G_ij^2]))``.
+
+    ``min ||D W - D W2 W1||_F``; equals GFWSVD with ``A = I`` and ``B = D^2``.
+
+    Args:
+        fisher_rows: length-``n`` row sums of the diagonal Fisher, or the ``(n, m)``
+            diagonal Fisher ``E[G * G]`` itself (summed over columns here).
+    """
+    f = as_tensor(fisher_rows, "fisher_rows").double()
+    if f.ndim == 2:
+        f = f.sum(dim=1)  # (n,)
+    check_finite(f, "fisher_rows")
+    if (f < 0).any():
+        raise FisherkronError("fisher_rows must be non-negative (sums of squared gradients)")
+    return weighted_svd(W, rank, left=diagonal_floor(f.sqrt()), name=name)
+
+
+def asvd(W, input_abs_mean, rank: int, alpha: float = 0.5, *, name: str = "weight"):
+    r"""ASVD (Yuan et al. 2023): right weight ``S = diag(mean_t |x_t|^alpha)``; ``W ~= (W S)_r S^{-1}``."""
+    s = as_tensor(input_abs_mean, "input_abs_mean").double()
+    check_finite(s, "input_abs_mean")
+    if s.ndim != 1:
+        raise FisherkronError(f"input_abs_mean must be a vector of length m, got shape {tuple(s.shape)}")
+    return weighted_svd(W, rank, right=diagonal_floor(s.abs() ** alpha), name=name)
+
+
+def svd_llm(W, XXt, rank: int, *, alpha: float | None = None, name: str = "weight"):
+    r"""SVD-LLM (Wang et al. 2024): whitening ``S = chol(X X^T)``; ``W ~= SVD_r(W S) S^{-1}``.
+
+    Truncation-aware: ``||(W - W_r) X||_F`` is minimised. ``X X^T`` (``m x m``) is
+    regularised if it is not positive definite.
+    """
+    W = as_tensor(W, name)
+    check_matrix(W, name)
+    LA = _chol(XXt, W.shape[1], f"{name}: X X^T (m x m)", alpha, "diag")
+    return weighted_svd(W, rank, right=LA, name=name)
+
+
+def fisher_weighted_error(W, W_hat, A, B) -> float:
+    r"""``vec(dW)^T (A (x) B) vec(dW) = tr(dW^T B dW A)`` for ``dW = W - W_hat``."""
+    dW = (as_tensor(W, "W") - as_tensor(W_hat, "W_hat")).double()
+    A = as_tensor(A, "A").double()
+    B = as_tensor(B, "B").double()
+    return float(torch.trace(dW.T @ B @ dW @ A))

@@ -1,0 +1,147 @@
+"""MFF (Algorithm 1) against the dense SVD of the materialised rearranged Fisher."""
+import numpy as np
+import pytest
+import torch
+
+import fisherkron as fk
+from fisherkron.testing import FLOAT32, FLOAT64, dense_fisher, dense_rearrangement, kronecker_gradients
+
+#: Algorithm 1 in float64 must match the dense top singular triplet to this relative error.
+MFF_FLOAT64_REL = 1e-8
+#: float32 GEMMs (the default) against the float64 answer.
+MFF_FLOAT32_REL = 1e-4
+#: PSD up to round-off: smallest eigenvalue >= -PSD_SLACK * largest.
+PSD_SLACK = 1e-10
+
+
+def _dense_top(G, r=1):
+    k, n, m = G.shape
+    R = dense_rearrangement(dense_fisher(G), n, m)
+    U, S, Vh = torch.linalg.svd(R)
+    return U[:, :r], S[:r], Vh[:r], R
+
+
+def _rel(est, ref):
+    return float((est - ref).norm() / ref.norm())
+
+
+def _kron_of(res):
+    return torch.outer(fk.vec(res.A), fk.vec(res.B))  # R(A (x) B) = vec(A) vec(B)^T
+
+
+@pytest.mark.parametrize("seed,n,m,k", [(0, 7, 5, 6), (1, 5, 7, 9), (2, 4, 4, 3), (3, 9, 3, 20), (4, 3, 8, 2),
+                                        (5, 6, 2, 40)])
+def test_mff_equals_dense_top_singular_triplet(seed, n, m, k):
+    g = torch.Generator().manual_seed(seed)
+    G = torch.randn(k, n, m, generator=g, dtype=torch.float64)
+    U, S, Vh, _ = _dense_top(G)
+    ref = S[0] * torch.outer(U[:, 0], Vh[0])
+    res = fk.mff(G, dtype=torch.float64)
+    assert res.converged
+    assert _rel(_kron_of(res), ref) <= MFF_FLOAT64_REL
+    assert abs(float(res.sigma[0]) - float(S[0])) <= MFF_FLOAT64_REL * float(S[0])
+    # diagnostics: share of the Fisher captured, against the dense F
+    share = float(S[0] ** 2 / dense_fisher(G).norm() ** 2)
+    assert abs(res.fisher_share - share) <= 1e-9
+    assert res.matvecs >= 2
+
+
+@pytest.mark.parametrize("seed,n,m,k", [(0, 7, 5, 6), (1, 5, 7, 9), (2, 3, 8, 30)])
+def test_factors_symmetric_psd(seed, n, m, k):
+    g = torch.Generator().manual_seed(seed)
+    G = torch.randn(k, n, m, generator=g, dtype=torch.float64)
+    res = fk.mff(G, dtype=torch.float64)
+    for X in (res.A, res.B):
+        torch.testing.assert_close(X, X.T, **FLOAT64)
+        ev = torch.linalg.eigvalsh(X)
+        assert ev.min() >= -PSD_SLACK * ev.max()
+    assert res.A.shape == (m, m) and res.B.shape == (n, n)
+
+
+@pytest.mark.parametrize("n,m", [(5, 3), (3, 5)])
+def test_exact_kronecker_fisher_is_recovered(n, m):
+    g = torch.Generator().manual_seed(7)
+    XA = torch.randn(m, m, generator=g, dtype=torch.float64)
+    XB = torch.randn(n, n, generator=g, dtype=torch.float64)
+    A0 = XA @ XA.T + 0.5 * torch.eye(m, dtype=torch.float64)
+    B0 = XB @ XB.T + 0.5 * torch.eye(n, dtype=torch.float64)
+    G = kronecker_gradients(A0, B0)
+    torch.testing.assert_close(dense_fisher(G), torch.kron(A0, B0), **FLOAT64)  # the construction is exact
+    res = fk.mff(G, dtype=torch.float64)
+    torch.testing.assert_close(torch.kron(res.A, res.B), torch.kron(A0, B0), **FLOAT64)
+    assert abs(res.fisher_share - 1.0) < 1e-10
+
+
+def test_streamed_input_equals_stacked(tmp_path):
+    g = torch.Generator().manual_seed(11)
+    G = torch.randn(10, 7, 5, generator=g, dtype=torch.float64)
+    ref = fk.mff(G, dtype=torch.float64)
+    path = tmp_path / "g.npy"
+    np.save(path, G.numpy())
+    small = 7 * 5 * 8 * 3 * 2  # two gradients per chunk
+    for src in ((Gi for Gi in G), list(G), str(path)):
+        res = fk.mff(src, dtype=torch.float64, memory_budget=small)
+        torch.testing.assert_close(torch.kron(res.A, res.B), torch.kron(ref.A, ref.B), **FLOAT64)
+
+
+def test_float32_default_close_to_float64():
+    g = torch.Generator().manual_seed(12)
+    G = torch.randn(16, 24, 12, generator=g, dtype=torch.float64)
+    r64 = fk.mff(G, dtype=torch.float64)
+    r32 = fk.mff(G.float())
+    assert r32.A.dtype == torch.float64  # returned in float64 whatever the compute dtype
+    assert _rel(_kron_of(r32), _kron_of(r64)) <= MFF_FLOAT32_REL
+
+
+@pytest.mark.parametrize("n,m,k,r", [(7, 5, 6, 4), (5, 7, 9, 3), (4, 4, 5, 6)])
+def test_terms_match_dense_top_singular_values(n, m, k, r):
+    g = torch.Generator().manual_seed(n + m + k)
+    G = torch.randn(k, n, m, generator=g, dtype=torch.float64)
+    _, S, _, _ = _dense_top(G, r)
+    res = fk.kronecker_terms(G, r, dtype=torch.float64, tol=1e-12)
+    torch.testing.assert_close(res.sigma, S, rtol=1e-8, atol=1e-10)
+    assert len(res.terms_A) == r and res.terms_A[1].shape == (m, m)
+
+
+def test_kfac_warm_start_is_more_accurate_per_matvec():
+    """G_i = sum_t delta_t x_t^T with correlated x, delta: K-FAC starts closer to the answer."""
+    g = torch.Generator().manual_seed(13)
+    n, m, k, T = 12, 8, 100, 16
+    Cx = torch.randn(m, m, generator=g, dtype=torch.float64)
+    Cd = torch.randn(n, n, generator=g, dtype=torch.float64)
+    x = torch.randn(k, T, m, generator=g, dtype=torch.float64) @ Cx.T  # (k, T, m)
+    d = torch.randn(k, T, n, generator=g, dtype=torch.float64) @ Cd.T  # (k, T, n)
+    G = torch.einsum("ktn,ktm->knm", d, x)  # (k, n, m)
+    ref = _kron_of(fk.mff(G, dtype=torch.float64, tol=1e-12))
+    kfac = fk.kfac_factors(x, d, num_batches=k)
+    for budget in (2, 4):
+        cold = fk.mff(G, dtype=torch.float64, max_matvecs=budget)
+        warm = fk.mff(G, dtype=torch.float64, max_matvecs=budget, init=kfac)
+        assert warm.matvecs == cold.matvecs == budget
+        assert _rel(_kron_of(warm), ref) < 0.5 * _rel(_kron_of(cold), ref)
+    again = fk.mff(G, dtype=torch.float64, tol=1e-8, init=fk.mff(G, dtype=torch.float64, tol=1e-10))
+    assert again.matvecs <= 3  # a previous solution is a start too
+
+
+def test_tolerance_controls_accuracy():
+    g = torch.Generator().manual_seed(14)
+    G = torch.randn(8, 9, 7, generator=g, dtype=torch.float64)
+    U, S, Vh, _ = _dense_top(G)
+    ref = S[0] * torch.outer(U[:, 0], Vh[0])
+    loose = fk.mff(G, dtype=torch.float64, tol=1e-3)
+    tight = fk.mff(G, dtype=torch.float64, tol=1e-10)
+    assert loose.matvecs < tight.matvecs
+    assert _rel(_kron_of(tight), ref) < _rel(_kron_of(loose), ref)
+    assert loose.rel_change < 1e-3
+
+
+def test_bad_arguments():
+    G = torch.randn(3, 4, 2)
+    with pytest.raises(fk.FisherkronError, match="terms must be"):
+        fk.mff(G, terms=0)
+    with pytest.raises(fk.FisherkronError, match="init"):
+        fk.mff(G, init=torch.zeros(4, 4))
+    with pytest.raises(fk.FisherkronError, match="must be 4 x 4"):
+        fk.mff(G, init=torch.eye(3))
+    with pytest.raises(fk.FisherkronError, match="batch 1"):
+        fk.mff(torch.stack([torch.randn(4, 2), torch.full((4, 2), float("inf"))]))

@@ -1,0 +1,110 @@
+"""R(F): matrix-free products against the dense rearrangement built from its definition."""
+import numpy as np
+import pytest
+import torch
+
+import fisherkron as fk
+from fisherkron.testing import FLOAT64, dense_fisher, dense_rearrangement
+
+SHAPES = [(7, 5, 4), (5, 7, 6), (3, 3, 2), (6, 1, 3)]  # (n, m, k): non-square both ways
+
+
+@pytest.mark.parametrize("n,m,k", SHAPES)
+def test_matvec_rmatvec_equal_dense_rearrangement(n, m, k):
+    g = torch.Generator().manual_seed(n * 100 + m * 10 + k)
+    G = torch.randn(k, n, m, generator=g, dtype=torch.float64)
+    R_dense = dense_rearrangement(dense_fisher(G), n, m)  # (m^2, n^2) from F entry by entry
+    op = fk.rearranged_fisher(G)
+    assert op.shape == (m * m, n * n)
+    z = torch.randn(n * n, generator=g, dtype=torch.float64).numpy()
+    y = torch.randn(m * m, generator=g, dtype=torch.float64).numpy()
+    np.testing.assert_allclose(op.matvec(z), R_dense.numpy() @ z, **FLOAT64)
+    np.testing.assert_allclose(op.rmatvec(y), R_dense.numpy().T @ y, **FLOAT64)
+    np.testing.assert_allclose(op.materialize().numpy(), R_dense.numpy(), **FLOAT64)
+    # the scipy adjoint is the rmatvec
+    np.testing.assert_allclose(op.H.matvec(y), R_dense.numpy().T @ y, **FLOAT64)
+
+
+def test_rearrangement_maps_kronecker_to_rank_one():
+    g = torch.Generator().manual_seed(1)
+    A = torch.randn(3, 3, generator=g, dtype=torch.float64)
+    B = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    R = dense_rearrangement(torch.kron(A, B), n=4, m=3)
+    torch.testing.assert_close(R, torch.outer(fk.vec(A), fk.vec(B)), **FLOAT64)
+
+
+def test_matvec_matrix_form_and_convention():
+    """apply(Z) = (1/k) sum G_i^T Z G_i, and tr(dW^T B dW A) = vec(dW)^T (A (x) B) vec(dW)."""
+    g = torch.Generator().manual_seed(2)
+    G = torch.randn(5, 7, 5, generator=g, dtype=torch.float64)
+    Z = torch.randn(7, 7, generator=g, dtype=torch.float64)
+    ref = sum(Gi.T @ Z @ Gi for Gi in G) / 5
+    torch.testing.assert_close(fk.rearranged_fisher(G).apply(Z), ref, **FLOAT64)
+    A = torch.randn(5, 5, generator=g, dtype=torch.float64)
+    B = torch.randn(7, 7, generator=g, dtype=torch.float64)
+    A, B = A + A.T, B + B.T  # the identity needs symmetric factors (Fisher factors are)
+    dW = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    lhs = fk.vec(dW) @ torch.kron(A, B) @ fk.vec(dW)
+    assert abs(float(lhs) - float(torch.trace(dW.T @ B @ dW @ A))) < 1e-9 * abs(float(lhs))
+
+
+def test_streamed_chunks_equal_resident(tmp_path):
+    """A tiny memory budget forces chunking; a .npy path and a generator give the same products."""
+    g = torch.Generator().manual_seed(3)
+    G = torch.randn(9, 7, 5, generator=g, dtype=torch.float64)
+    Z = torch.randn(7, 7, generator=g, dtype=torch.float64)
+    Y = torch.randn(5, 5, generator=g, dtype=torch.float64)
+    ref = fk.rearranged_fisher(G)
+    path = tmp_path / "grads.npy"
+    np.save(path, G.numpy())
+    budget = 3 * 7 * 5 * 8 * 2  # room for two gradients per chunk
+    for src in (G, str(path), (Gi for Gi in G)):
+        op = fk.rearranged_fisher(src, memory_budget=budget)
+        assert op.grads.streamed or not isinstance(src, torch.Tensor)
+        torch.testing.assert_close(op.apply(Z), ref.apply(Z), **FLOAT64)
+        torch.testing.assert_close(op.apply_adjoint(Y), ref.apply_adjoint(Y), **FLOAT64)
+    assert fk.GradientStack(G, dtype=torch.float64, memory_budget=budget).chunk_size < 9
+
+
+def test_generator_spills_to_disk_past_budget():
+    g = torch.Generator().manual_seed(4)
+    G = torch.randn(12, 6, 4, generator=g)
+    stack = fk.GradientStack((Gi for Gi in G), memory_budget=6 * 4 * 4 * 3)
+    assert stack._tmpfile is not None and stack.k == 12
+    torch.testing.assert_close(stack.stacked(), G)
+    path = stack._tmpfile
+    stack.close()
+    import os
+    assert not os.path.exists(path)
+
+
+def test_fisher_norm_from_gram():
+    g = torch.Generator().manual_seed(5)
+    G = torch.randn(6, 4, 3, generator=g, dtype=torch.float64)
+    want = float(dense_fisher(G).norm() ** 2)
+    for budget in (None, 4 * 3 * 8 * 3):
+        got = fk.GradientStack(G, dtype=torch.float64, memory_budget=budget).fisher_norm_sq()
+        assert abs(got - want) <= 1e-10 * want
+
+
+def test_matvec_flops_formula():
+    assert fk.matvec_flops(768, 384, 16) == 2 * 16 * 768 * 384 * (768 + 384)
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (torch.randn(4, 3), "expected a (k, n, m)"),
+    (torch.tensor([[[1.0, float("nan")]]]), "batch 0"),
+    ([torch.randn(3, 2), torch.randn(2, 3)], "gradient 1 has shape"),
+    ([], "no gradients"),
+])
+def test_bad_gradients_one_line_error(bad, msg):
+    with pytest.raises(fk.FisherkronError, match=msg.replace("(", r"\(").replace(")", r"\)")) as e:
+        fk.mff(bad)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_stays_on_device():  # pragma: no cover - runs where a GPU exists
+    G = torch.randn(4, 7, 5, device="cuda")
+    op = fk.rearranged_fisher(G, dtype=torch.float32)
+    assert op.apply(torch.eye(7, device="cuda")).device.type == "cuda"

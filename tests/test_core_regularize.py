@@ -1,0 +1,109 @@
+"""Regularisation of Kronecker factors, K-FAC factors and the low-rank layer."""
+import pytest
+import torch
+
+import fisherkron as fk
+from fisherkron.testing import FLOAT64
+
+
+@pytest.mark.parametrize("method", ["diag", "shrink"])
+@pytest.mark.parametrize("kind", ["singular", "indefinite", "dead unit"])
+def test_regularize_makes_cholesky_exist(method, kind):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    M = X @ X.T  # rank 3 of 6: singular
+    if kind == "indefinite":
+        M = M - 0.05 * torch.eye(6, dtype=torch.float64)
+    if kind == "dead unit":
+        M[2, :] = 0
+        M[:, 2] = 0
+    assert torch.linalg.cholesky_ex(M).info != 0
+    reg = fk.regularize(M, method=method)
+    assert reg.alpha > 0 and reg.method == method
+    torch.testing.assert_close(reg.L @ reg.L.T, reg.matrix, **FLOAT64)
+    assert torch.equal(reg.L, torch.tril(reg.L))
+    d = torch.diagonal(M)
+    if method == "diag" and kind != "dead unit":
+        torch.testing.assert_close(reg.matrix, M + reg.alpha * torch.diag(d), **FLOAT64)
+    if method == "shrink":
+        want = (1 - reg.alpha) * M + reg.alpha * d.mean() * torch.eye(6, dtype=torch.float64)
+        torch.testing.assert_close(reg.matrix, want, **FLOAT64)
+        assert 0 < reg.alpha <= 1
+
+
+def test_regularize_positive_definite_needs_no_alpha_and_fixed_alpha():
+    M = torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    assert fk.regularize(M).alpha == 0.0
+    assert fk.regularize(M, alpha=0.1).alpha == 0.1
+    with pytest.raises(fk.FisherkronError, match="does not make it positive definite"):
+        fk.regularize(-M, alpha=0.1)
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (torch.tensor([[1.0, float("nan")], [0.0, 1.0]]), "NaN/inf"),
+    (torch.ones(2, 3), "must be square"),
+    (torch.zeros(3, 3), "zero on its diagonal"),
+    (torch.ones(3), "2-D"),
+])
+def test_regularize_bad_input(bad, msg):
+    with pytest.raises(fk.FisherkronError, match=msg) as e:
+        fk.regularize(bad)
+    assert "\n" not in str(e.value)
+    with pytest.raises(fk.FisherkronError, match="method must be"):
+        fk.regularize(torch.eye(2), method="ridge")
+
+
+def test_gfwsvd_regularizes_singular_factors():
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    X = torch.randn(4, 2, generator=g, dtype=torch.float64)
+    A = X @ X.T  # singular
+    B = torch.eye(5, dtype=torch.float64)
+    W2, W1 = fk.gfwsvd(W, A, B, 2)
+    assert torch.isfinite(W2 @ W1).all()
+    reg = fk.regularize(A)
+    torch.testing.assert_close(W2 @ W1, torch.matmul(*fk.gfwsvd(W, reg, B, 2)), **FLOAT64)
+
+
+def test_kfac_factors_dense_reference():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 10, 5, generator=g, dtype=torch.float64)  # 3 batches x 10 tokens, m = 5
+    d = torch.randn(3, 10, 7, generator=g, dtype=torch.float64)  # n = 7
+    f = fk.kfac_factors(x, d, num_batches=3)
+    X, D = x.reshape(-1, 5), d.reshape(-1, 7)
+    torch.testing.assert_close(f.A, X.T @ X / 30, **FLOAT64)
+    torch.testing.assert_close(f.B, D.T @ D / 3, **FLOAT64)
+    # per-batch lists give the same factors
+    f2 = fk.kfac_factors(list(x), list(d), num_batches=3)
+    torch.testing.assert_close(f2.A, f.A, **FLOAT64)
+    # one token per batch, independent x and delta: A (x) B -> F in expectation (Monte Carlo)
+    k = 20000
+    xs = torch.randn(k, 1, 2, generator=g, dtype=torch.float64) @ torch.tensor([[1.0, 0.5], [0.0, 1.0]],
+                                                                              dtype=torch.float64)
+    ds = torch.randn(k, 1, 3, generator=g, dtype=torch.float64)
+    G = torch.einsum("ktn,ktm->knm", ds, xs)
+    from fisherkron.testing import dense_fisher
+    F = dense_fisher(G)
+    fk_ = fk.kfac_factors(xs, ds, num_batches=k)
+    assert float((torch.kron(fk_.A, fk_.B) - F).norm() / F.norm()) < 0.05
+    with pytest.raises(fk.FisherkronError, match="rows"):
+        fk.kfac_factors(torch.randn(4, 5), torch.randn(3, 7))
+
+
+def test_lowrank_linear_forward_and_counts():
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(5, 7)
+    W2, W1 = fk.svd(lin.weight.detach(), 3)
+    low = fk.LowRankLinear.from_factors(W2, W1, lin.bias.detach())
+    x = torch.randn(4, 5, generator=g)
+    torch.testing.assert_close(low(x), x @ (W2 @ W1).T + lin.bias, rtol=1e-5, atol=1e-6)
+    n_params = sum(p.numel() for p in low.parameters())
+    assert n_params == fk.lowrank_params(7, 5, 3) == 3 * 12 + 7
+    assert fk.rank_for_ratio(7, 5, 0.0) == 2  # floor(35 / 12)
+    r = fk.rank_for_ratio(3072, 768, 0.5)
+    assert fk.compression_ratio(3072 * 768, r * (3072 + 768)) >= 0.5
+    assert fk.compression_ratio(3072 * 768, (r + 1) * (3072 + 768)) < 0.5
+    with pytest.raises(fk.FisherkronError):
+        fk.rank_for_ratio(7, 5, 1.0)
+    with pytest.raises(fk.FisherkronError, match="rank 6"):
+        fk.LowRankLinear(5, 7, 6)
