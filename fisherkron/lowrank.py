@@ -20,10 +20,9 @@ class LowRankLinear(nn.Module):
     """``x -> second(first(x))``: ``first`` = ``W_1`` (``r x m``, no bias), ``second`` = ``W_2`` (``n x r``) + bias.
 
     Example:
+        >>> from fisherkron import svd
         >>> lin = nn.Linear(5, 7)
-        >>> W2, W1 = torch.linalg.svd(lin.weight.detach())[0][:, :5] * torch.linalg.svd(lin.weight.detach())[1], \
-                     torch.linalg.svd(lin.weight.detach())[2]
-        >>> low = LowRankLinear.from_factors(W2, W1, lin.bias)
+        >>> low = LowRankLinear.from_factors(*svd(lin.weight.detach(), 5), lin.bias)  # full rank: exact
         >>> x = torch.randn(3, 5)
         >>> bool(torch.allclose(low(x), lin(x), atol=1e-5))
         True
