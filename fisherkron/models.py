@@ -104,7 +104,7 @@ PAPER_MODELS: dict[str, str] = {  # paper-scale hub name -> embedded alternative
 # Layers compressed in the paper: every linear layer of the transformer blocks
 # (not the embeddings, the classifier head or the tied LM head).
 DEFAULT_LAYERS: dict[str, str] = {
-    "encoder": r"encoder\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense"
+    "encoder": r"(?:\w+\.)?encoder\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense"
                r"|intermediate\.dense|output\.dense)",
     "decoder": r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
 }

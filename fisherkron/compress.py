@@ -1,0 +1,289 @@
+r"""Model surgery: replace selected ``nn.Linear`` layers by ``LowRankLinear`` (paper Sec. 5-6).
+
+Each selected ``W`` (``n x m``) becomes ``W_2 W_1`` (``n x r``, ``r x m``) by one of
+
+=================  ============================================================
+``svd``            truncated SVD
+``fwsvd``          FWSVD (App. E): left weight ``diag(sqrt(sum_j E[G_ij^2]))``
+``asvd``           ASVD: right weight ``diag(mean|x|^alpha)``
+``svd_llm``        SVD-LLM: right weight ``chol(X X^T)``
+``gfwsvd``         GFWSVD, Theorem 1 / Eq. (4) with ``A, B`` from MFF (Alg. 1)
+``gfwsvd_diag``    App. "Impact of diagonal and non-diagonal elements": ``diag(A), diag(B)`` only
+``gfwsvd_offdiag`` same appendix: the diagonals of ``A, B`` nulled (see below)
+=================  ============================================================
+
+Off-diagonal-only factors have zero trace, so they are indefinite and no
+Cholesky factor exists. The appendix gives no regulariser for them; here the
+nulled diagonal is replaced by ``c * I`` with ``c = mean(diag A)`` (a shift that
+carries no per-unit information) and :func:`fisherkron.regularize` then raises
+``alpha`` as for any factor; the reported alpha of this variant is the total
+shift ``1 + alpha`` in units of ``c``.
+
+Ranks: one rank for every layer (the BERT protocol), a per-layer dict, or a
+target whole-model compression ratio ``1 - params_after / params_before``
+met by a uniform per-layer ratio (bisection over ``rank_for_ratio``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .calibration import CalibrationStats, select_layers
+from .conventions import FisherkronError
+from .lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
+from .mff import mff
+from .regularize import regularize
+from .wsvd import asvd, fwsvd, gfwsvd, svd, svd_llm
+
+__all__ = ["METHODS", "compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport"]
+
+log = logging.getLogger(__name__)
+
+METHODS = ("svd", "fwsvd", "asvd", "svd_llm", "gfwsvd", "gfwsvd_diag", "gfwsvd_offdiag")
+_NEEDS = {"fwsvd": "diag_fisher", "asvd": "abs_mean", "svd_llm": "xxt", "gfwsvd": "grads",
+          "gfwsvd_diag": "grads", "gfwsvd_offdiag": "grads"}
+
+
+@dataclass
+class LayerReport:
+    """What happened to one layer. ``alpha_*`` are the regularisation strengths each factor needed."""
+
+    name: str
+    n: int
+    m: int
+    rank: int | None
+    params_before: int
+    params_after: int
+    skipped: str | None = None
+    alpha_A: float | None = None
+    alpha_B: float | None = None
+    fisher_share: float | None = None
+    mff_matvecs: int | None = None
+    mff_converged: bool | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class CompressionReport:
+    """Parameter counts of the whole model and of the selected layers, before and after."""
+
+    method: str
+    params_before: int
+    params_after: int
+    layer_params_before: int
+    layer_params_after: int
+    layers: dict[str, LayerReport] = field(default_factory=dict)
+    target_ratio: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Whole-model compression ratio ``1 - params_after / params_before``."""
+        return compression_ratio(self.params_before, self.params_after)
+
+    @property
+    def layers_ratio(self) -> float:
+        """Compression ratio of the selected layers alone."""
+        return compression_ratio(self.layer_params_before, self.layer_params_after)
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        return {k: v.rank for k, v in self.layers.items() if v.skipped is None}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ratio"], d["layers_ratio"] = self.ratio, self.layers_ratio
+        return d
+
+    def __str__(self) -> str:
+        alphas = [a for lr in self.layers.values() for a in (lr.alpha_A, lr.alpha_B) if a is not None]
+        done = sum(lr.skipped is None for lr in self.layers.values())
+        s = (f"{self.method}: {done}/{len(self.layers)} layers factorised; model {self.params_before:,} -> "
+             f"{self.params_after:,} params (ratio {self.ratio:.2%}); layers {self.layer_params_before:,} -> "
+             f"{self.layer_params_after:,} (ratio {self.layers_ratio:.2%})")
+        if alphas:
+            s += f"; alpha max {max(alphas):.3g}, {sum(a > 0 for a in alphas)}/{len(alphas)} factors needed one"
+        return s
+
+
+def count_params(model: nn.Module) -> int:
+    """Unique parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def plan_ranks(model: nn.Module, names: list[str], *, rank: int | None = None,
+               ranks: dict[str, int] | None = None, ratio: float | None = None) -> dict[str, int]:
+    """Per-layer ranks from exactly one of ``rank``, ``ranks`` or a whole-model ``ratio``.
+
+    With ``ratio``, every selected layer gets ``rank_for_ratio(n, m, rho)`` with
+    the smallest uniform ``rho`` whose total removal reaches
+    ``ratio * count_params(model)`` (``1 - r (n + m) / (n m) >= rho`` per layer).
+    """
+    if sum(x is not None for x in (rank, ranks, ratio)) != 1:
+        raise FisherkronError("give exactly one of rank=, ranks= or ratio=")
+    mods = dict(model.named_modules())
+    shape = {n: (mods[n].out_features, mods[n].in_features) for n in names}
+    if rank is not None:
+        out = {n: rank for n in names}
+    elif ranks is not None:
+        unknown = [n for n in ranks if n not in shape]
+        if unknown:
+            raise FisherkronError(f"ranks names layer {unknown[0]}, which is not among the selected layers")
+        missing = [n for n in names if n not in ranks]
+        if missing:
+            raise FisherkronError(f"ranks gives no rank for layer {missing[0]} ({len(missing)} missing)")
+        out = dict(ranks)
+    else:
+        if not 0.0 < ratio < 1.0:
+            raise FisherkronError(f"ratio must be in (0, 1), got {ratio}")
+        need = ratio * count_params(model)
+
+        def plan(rho):
+            return {n: rank_for_ratio(*shape[n], rho) for n in names}
+
+        def removed(p):
+            return sum(shape[n][0] * shape[n][1] - p[n] * sum(shape[n]) for n in names)
+
+        best = removed(plan(1.0 - 1e-12))
+        if best < need:
+            total = count_params(model)
+            raise FisherkronError(f"ratio {ratio:.3f} is out of reach: factorising the {len(names)} selected "
+                                  f"layers at rank 1 removes at most {best / total:.3f} of the model; "
+                                  f"select more layers")
+        lo, hi = 0.0, 1.0 - 1e-12
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if removed(plan(mid)) >= need else (mid, hi)
+        out = plan(hi)
+    for n, r in out.items():
+        N, M = shape[n]
+        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= min(N, M):
+            raise FisherkronError(f"rank {r} exceeds min(n, m)={min(N, M)} for layer {n}" if isinstance(r, int)
+                                  and r > min(N, M) else f"rank {r!r} for layer {n} must be an integer >= 1")
+    return out
+
+
+def _ablate(F: torch.Tensor, part: str) -> tuple[torch.Tensor, float]:
+    """Diagonal-only or off-diagonal-only factor (and the identity shift added, in units of mean diag)."""
+    d = torch.diagonal(F)
+    if part == "diag":
+        return torch.diag(d), 0.0
+    c = float(d.mean())
+    return F - torch.diag(d) + c * torch.eye(F.shape[0], dtype=F.dtype), 1.0
+
+
+def compress(model: nn.Module, method: str, stats: CalibrationStats | None = None, layers=None, *,
+             rank: int | None = None, ranks: dict[str, int] | None = None, ratio: float | None = None,
+             regularization: str = "diag", alpha: float | None = None, asvd_alpha: float = 0.5,
+             mff_options: dict | None = None, skip_unprofitable: bool = True,
+             progress: bool = False) -> CompressionReport:
+    r"""Replace the selected ``nn.Linear`` layers of ``model`` in place by ``LowRankLinear``.
+
+    GFWSVD (Theorem 1, Eq. 4): ``W_r = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}`` with
+    ``A (x) B`` from :func:`fisherkron.mff` on the layer's ``k`` batch gradients
+    (warm-started from K-FAC) and ``A``/``B`` regularised until Cholesky exists.
+
+    Args:
+        model: the model; changed in place.
+        method: one of :data:`METHODS`.
+        stats: calibration statistics (all methods but ``svd`` need them).
+        layers: regex/glob pattern(s); default: the layers in ``stats`` (or the paper's).
+        rank / ranks / ratio: exactly one: a rank for every layer, ``{name: rank}``,
+            or a target whole-model compression ratio.
+        regularization: ``"diag"`` (``A + alpha diag A``, the paper) or ``"shrink"``.
+        alpha: fixed regularisation strength (default: the smallest that works).
+        asvd_alpha: ASVD's exponent.
+        mff_options: keyword arguments of :func:`fisherkron.mff` (``tol``, ``max_matvecs``, ...).
+        skip_unprofitable: keep a layer dense when ``r (n + m) >= n m`` (no saving).
+        progress: tqdm bar over layers.
+
+    Returns:
+        :class:`CompressionReport` with whole-model and per-layer counts and alphas.
+    """
+    if method not in METHODS:
+        raise FisherkronError(f"method {method!r} is unknown; use one of {', '.join(METHODS)}")
+    if method != "svd":
+        if stats is None:
+            raise FisherkronError(f"method {method} needs calibration statistics: pass stats=collect_calibration(...)")
+        stats._need(_NEEDS[method])
+    t_all = time.perf_counter()
+    if layers is None and stats is not None:
+        names = list(stats.layers)
+        mods = dict(model.named_modules())
+        lost = [n for n in names if not isinstance(mods.get(n), nn.Linear)]
+        if lost:
+            raise FisherkronError(f"layer {lost[0]} of the statistics is not an nn.Linear of this model "
+                                  f"(already compressed?)")
+    else:
+        names = select_layers(model, layers)
+        if stats is not None:
+            missing = [n for n in names if n not in stats.layers]
+            if missing:
+                raise FisherkronError(f"layer {missing[0]} has no calibration statistics; collect them for it")
+    plan = plan_ranks(model, names, rank=rank, ranks=ranks, ratio=ratio)
+    before = count_params(model)
+    mods = dict(model.named_modules())
+    report = CompressionReport(method, before, before, 0, 0, target_ratio=ratio)
+    opts = dict(mff_options or {})
+
+    for name in tqdm(names, desc=f"compress ({method})", disable=not progress):
+        t0 = time.perf_counter()
+        lin: nn.Linear = mods[name]
+        W = lin.weight.detach()  # (n, m)
+        n, m = W.shape
+        r = plan[name]
+        has_bias = lin.bias is not None
+        dense = n * m + (n if has_bias else 0)
+        lr = LayerReport(name, n, m, r, dense, dense)
+        report.layers[name] = lr
+        report.layer_params_before += dense
+        if skip_unprofitable and lowrank_params(n, m, r, has_bias) >= dense:
+            lr.skipped = f"rank {r} saves nothing: r (n + m) >= n m"
+            report.layer_params_after += dense
+            continue
+        if method == "svd":
+            W2, W1 = svd(W, r, name=name)
+        elif method == "fwsvd":
+            W2, W1 = fwsvd(W, stats.diag_fisher(name), r, name=name)
+        elif method == "asvd":
+            W2, W1 = asvd(W, stats.input_abs_mean(name), r, alpha=asvd_alpha, name=name)
+        elif method == "svd_llm":
+            reg = regularize(stats.xxt(name), alpha=alpha, method=regularization, name=f"{name}: X X^T")
+            lr.alpha_A = reg.alpha
+            W2, W1 = svd_llm(W, reg, r, name=name)
+        else:
+            kf = stats.kfac(name) if "kfac" in stats.stats else None
+            res = mff(stats.grads_path(name), init=kf, name=name, **opts)
+            lr.fisher_share, lr.mff_matvecs, lr.mff_converged = res.fisher_share, res.matvecs, res.converged
+            A, B = res.A, res.B  # (m, m), (n, n)
+            shift = 0.0
+            if method != "gfwsvd":
+                part = "diag" if method == "gfwsvd_diag" else "offdiag"
+                (A, shift), (B, _) = _ablate(A, part), _ablate(B, part)
+            regA = regularize(A, alpha=alpha, method=regularization, name=f"{name}: A (input side, m x m)")
+            regB = regularize(B, alpha=alpha, method=regularization, name=f"{name}: B (output side, n x n)")
+            lr.alpha_A, lr.alpha_B = shift + regA.alpha, shift + regB.alpha
+            W2, W1 = gfwsvd(W, regA, regB, r, name=name)
+        low = LowRankLinear.from_factors(W2.to(W.dtype), W1.to(W.dtype),
+                                         lin.bias.detach() if has_bias else None).to(W.device)
+        _set_module(model, name, low)
+        lr.params_after = lowrank_params(n, m, r, has_bias)
+        report.layer_params_after += lr.params_after
+        lr.seconds = time.perf_counter() - t0
+    report.params_after = count_params(model)
+    report.seconds = time.perf_counter() - t_all
+    expected = before - report.layer_params_before + report.layer_params_after
+    if report.params_after != expected:  # shared/tied weights among the selected layers
+        log.warning("model has %d params after compression, %d expected from the layer counts",
+                    report.params_after, expected)
+    return report

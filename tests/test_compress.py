@@ -1,0 +1,155 @@
+"""Model surgery and save/reload on tiny random BERT and Llama models built here."""
+import copy
+import json
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+from fisherkron.calibration import collect_calibration
+from fisherkron.compress import METHODS, compress, count_params
+from fisherkron.conventions import FisherkronError
+from fisherkron.io import load_compressed, save_compressed
+from fisherkron.lowrank import LowRankLinear
+from fisherkron.mff import mff
+from fisherkron.regularize import regularize
+from fisherkron.wsvd import gfwsvd
+
+RELOAD = dict(rtol=0, atol=1e-6)  # the issue's bar for save -> load
+SAME_MATH = dict(rtol=1e-5, atol=1e-6)  # same float computation along another path
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_bert(seed=0):
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=50, hidden_size=20, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=36, max_position_embeddings=32, num_labels=3)
+    return BertForSequenceClassification(cfg).eval()
+
+
+def batches(vocab, k=4, B=2, T=9, labels=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(k):
+        x = torch.randint(1, vocab, (B, T), generator=g)
+        lab = torch.randint(0, labels, (B,), generator=g) if labels else x.clone()
+        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": lab})
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_stats(tmp_path_factory):
+    model = tiny_llama()
+    st = collect_calibration(model, batches(97), None, cache_dir=tmp_path_factory.mktemp("cal"))
+    return model, st
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_compresses_and_counts_params(method, llama_stats):
+    base, st = llama_stats
+    model = copy.deepcopy(base)
+    x = batches(97, k=1)[0]["input_ids"]
+    rep = compress(model, method, st, rank=3, mff_options=dict(max_matvecs=60))
+    lows = {n: m for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
+    assert set(lows) == set(st.layers) and len(lows) == 14
+    # formula: each n x m layer (no bias in Llama) -> r (n + m)
+    removed = sum(m.out_features * m.in_features - 3 * (m.out_features + m.in_features) for m in lows.values())
+    assert rep.params_after == count_params(model) == count_params(base) - removed
+    assert rep.ratio == pytest.approx(removed / count_params(base))
+    logits = model(x).logits
+    assert logits.shape == (2, 9, 97)
+    assert torch.isfinite(logits).all()
+    if method.startswith("gfwsvd") or method == "svd_llm":
+        assert all(lr.alpha_A is not None for lr in rep.layers.values())
+
+
+def test_gfwsvd_layer_equals_core_on_mff_factors(llama_stats):
+    base, st = llama_stats
+    model = copy.deepcopy(base)
+    name = "model.layers.1.mlp.down_proj"
+    compress(model, "gfwsvd", st, layers=name, rank=4)
+    W = dict(base.named_modules())[name].weight.detach()
+    res = mff(st.grads_path(name), init=st.kfac(name))
+    W2, W1 = gfwsvd(W, regularize(res.A), regularize(res.B), 4)
+    torch.testing.assert_close(dict(model.named_modules())[name].weight, W2 @ W1, **SAME_MATH)
+
+
+def test_full_rank_svd_keeps_the_function():
+    model = tiny_bert()
+    ref = copy.deepcopy(model)
+    x = batches(50, k=1, labels=3)[0]
+    rep = compress(model, "svd", layers=r"bert\.encoder\.layer\.0\.attention\.self\.query", rank=20,
+                   skip_unprofitable=False)
+    assert rep.ratio < 0  # full rank costs parameters: reported honestly
+    torch.testing.assert_close(model(**x).logits, ref(**x).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_ablation_diag_uses_only_diagonals(llama_stats):
+    base, st = llama_stats
+    name = "model.layers.0.self_attn.o_proj"
+    m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+    compress(m1, "gfwsvd_diag", st, layers=name, rank=2)
+    res = mff(st.grads_path(name), init=st.kfac(name))
+    W = dict(base.named_modules())[name].weight.detach()
+    W2, W1 = gfwsvd(W, regularize(torch.diag(torch.diagonal(res.A))), regularize(torch.diag(torch.diagonal(res.B))), 2)
+    torch.testing.assert_close(dict(m1.named_modules())[name].weight, W2 @ W1, **SAME_MATH)
+    rep = compress(m2, "gfwsvd_offdiag", st, layers=name, rank=2)
+    assert rep.layers[name].alpha_A >= 1.0  # the identity shift replacing the nulled diagonal
+
+
+def test_ratio_target_is_met_and_reported():
+    model = tiny_llama()
+    before = count_params(model)
+    rep = compress(model, "svd", layers=None, ratio=0.2)
+    assert rep.ratio >= 0.2 and rep.ratio < 0.2 + 0.03
+    assert rep.params_before == before and rep.params_after == count_params(model)
+    with pytest.raises(FisherkronError, match="out of reach"):
+        compress(tiny_llama(), "svd", layers="model.layers.0.mlp.up_proj", ratio=0.5)
+
+
+def test_bad_ranks_and_missing_stats_give_one_line_errors(llama_stats):
+    base, st = llama_stats
+    with pytest.raises(FisherkronError, match=r"rank 25 exceeds min\(n, m\)=24 for layer model.layers.0"):
+        compress(copy.deepcopy(base), "svd", layers=r"model\.layers\.0\.mlp\.up_proj", rank=25)
+    with pytest.raises(FisherkronError, match="needs calibration statistics"):
+        compress(copy.deepcopy(base), "gfwsvd", layers="model.layers.0.mlp.up_proj", rank=2)
+    with pytest.raises(FisherkronError, match="unknown"):
+        compress(copy.deepcopy(base), "pca", st, rank=2)
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_save_load_gives_identical_logits(kind, tmp_path, llama_stats):
+    if kind == "llama":
+        model, st = copy.deepcopy(llama_stats[0]), llama_stats[1]
+        rep = compress(model, "gfwsvd", st, ratio=0.15, mff_options=dict(max_matvecs=40))
+        x = batches(97, k=1)[0]
+    else:
+        model = tiny_bert()
+        rep = compress(model, "svd", rank=5)
+        x = batches(50, k=1, labels=3)[0]
+    with torch.no_grad():
+        ref = model(**x).logits
+    out = save_compressed(model, tmp_path / "c", report=rep, provenance={"test": kind})
+    meta = json.loads((out / "fisherkron.json").read_text())
+    assert meta["method"] == rep.method and len(meta["layers"]) == len(rep.ranks)
+    assert not list(out.glob("*.py"))  # no remote code
+    loaded = load_compressed(out)
+    assert type(loaded) is type(model)
+    assert sum(isinstance(m, LowRankLinear) for m in loaded.modules()) == len(rep.ranks)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**x).logits, ref, **RELOAD)
+    assert count_params(loaded) == rep.params_after
+    if kind == "llama":
+        assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    with pytest.raises(FisherkronError, match="not a fisherkron folder"):
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / "x.txt").write_text("keep me")
+        save_compressed(model, tmp_path / "other")
+    assert (tmp_path / "other" / "x.txt").read_text() == "keep me"
