@@ -41,12 +41,17 @@ from .conventions import FisherkronError
 from .kfac import KFACFactors
 from .models import DEFAULT_LAYERS, data_root
 
-__all__ = ["select_layers", "collect_calibration", "CalibrationStats", "CODE_VERSION"]
+__all__ = ["select_layers", "collect_calibration", "CalibrationStats", "CODE_VERSION", "METHOD_STATS"]
 
 log = logging.getLogger(__name__)
 
 CODE_VERSION = "calibration-1"  # bump when the meaning of a cached file changes
 STATS = ("grads", "diag_fisher", "abs_mean", "xxt", "kfac")
+# what each compression method reads; K-FAC (the MFF warm start) and X X^T cost
+# about as much as the forward + backward pass itself, so collect only what is used
+METHOD_STATS = {"svd": (), "fwsvd": ("diag_fisher",), "asvd": ("abs_mean",), "svd_llm": ("xxt",),
+                "gfwsvd": ("grads",), "gfwsvd_diag": ("grads",), "gfwsvd_offdiag": ("grads",),
+                "kfac": ("kfac",)}
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -123,7 +128,8 @@ class CalibrationStats:
         return self.dir / f"{name}.{stat}.npy"
 
     def _need(self, stat: str) -> None:
-        if stat not in self.stats:
+        have = set(self.stats) | ({"xxt"} if "kfac" in self.stats else set())
+        if stat not in have:
             raise FisherkronError(f"statistic {stat!r} was not collected; pass stats including it "
                                   f"to collect_calibration")
 
@@ -253,7 +259,7 @@ def _default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None = None, seed: int = 0,
-                        stats=STATS, loss_fn=None, cache: bool = True, cache_dir=None,
+                        stats=None, methods=None, loss_fn=None, cache: bool = True, cache_dir=None,
                         verify_cache: bool = True, progress: bool = False) -> CalibrationStats:
     r"""Per-batch gradients ``G_i`` and baseline statistics of the selected linear layers.
 
@@ -268,7 +274,9 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         layers: regex/glob pattern(s) of ``nn.Linear`` names; ``None`` = the paper's layers.
         k: use the first ``k`` batches (default: all).
         seed: recorded in the cache key (the seed that drew the batches).
-        stats: subset of ``("grads", "diag_fisher", "abs_mean", "xxt", "kfac")``.
+        stats: subset of ``("grads", "diag_fisher", "abs_mean", "xxt", "kfac")``; default:
+            what ``methods`` need, or all of them.
+        methods: compression methods to collect for (see ``METHOD_STATS``), e.g. ``("gfwsvd",)``.
         cache: reuse/write ``<cache_dir>/<key>``; ``cache_dir`` defaults to ``data/cache/calibration``.
         verify_cache: check file checksums before reusing a cache entry.
         progress: show a tqdm bar over batches.
@@ -276,7 +284,13 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     Returns:
         :class:`CalibrationStats` backed by files (a temporary folder if ``cache=False``).
     """
-    stats = tuple(stats)
+    if stats is None and methods is not None:
+        methods = [methods] if isinstance(methods, str) else list(methods)
+        unknown = [m for m in methods if m not in METHOD_STATS]
+        if unknown:
+            raise FisherkronError(f"method {unknown[0]!r} is unknown; use one of {', '.join(METHOD_STATS)}")
+        stats = tuple(s for s in STATS if any(s in METHOD_STATS[m] for m in methods))
+    stats = tuple(STATS if stats is None else stats)
     bad = [s for s in stats if s not in STATS]
     if bad:
         raise FisherkronError(f"unknown statistic {bad[0]!r}; choose from {', '.join(STATS)}")
@@ -332,6 +346,7 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
     acc = {n: {} for n in names}
     tokens = {n: 0 for n in names}
     mask_holder: dict[str, torch.Tensor | None] = {"mask": None}
+    shared_gram: dict = {}
     grads_mm = {}
     if "grads" in stats:
         for n in names:
@@ -346,15 +361,20 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
 
     def make_hook(n):
         def fwd(mod, inp, outp):
-            x = rows(inp[0].detach()).float()  # (T, m)
+            x_in = inp[0].detach()
+            x = rows(x_in).float()  # (T, m)
             a = acc[n]
             tokens[n] += x.shape[0]
+            # layers fed by the same tensor (q/k/v, gate/up) share one X X^T per batch
+            shared = (x_in.data_ptr(), tuple(x_in.shape), x_in._version)
             if "abs_mean" in stats:
                 s = x.abs().sum(0).double()
                 a["abs_sum"] = s if "abs_sum" not in a else a["abs_sum"] + s
             if "xxt" in stats or "kfac" in stats:
-                g = (x.T @ x).double()  # (m, m)
-                a["xxt"] = g if "xxt" not in a else a["xxt"] + g
+                if shared_gram.get("key") != shared:
+                    shared_gram["key"], shared_gram["val"] = shared, (x.T @ x).double()  # (m, m)
+                g = shared_gram["val"]
+                a["xxt"] = g.clone() if "xxt" not in a else a["xxt"].add_(g)
             if "kfac" in stats and outp.requires_grad:
                 def bwd(grad):
                     d = rows(grad.detach()).float()  # (T, n)
@@ -375,6 +395,7 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
         for i, batch in enumerate(tqdm(batches, desc="calibration", disable=not progress)):
             mask = batch.get("attention_mask") if isinstance(batch, dict) else None
             mask_holder["mask"] = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+            shared_gram.clear()
             for n in names:
                 modules[n].weight.grad = None
             loss = loss_fn(model, batch)
@@ -391,8 +412,10 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
                 if "grads" in stats:
                     grads_mm[n][i] = G.detach().float().cpu().numpy()
                 if "diag_fisher" in stats:
-                    g2 = G.detach().double() ** 2
-                    acc[n]["g2"] = g2 if "g2" not in acc[n] else acc[n]["g2"] + g2
+                    Gf = G.detach().float()
+                    if "g2" not in acc[n]:
+                        acc[n]["g2"] = torch.zeros_like(Gf)  # (n, m) float32: k is small
+                    acc[n]["g2"].addcmul_(Gf, Gf)
                 modules[n].weight.grad = None
     finally:
         for h in handles:
@@ -406,7 +429,7 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
     for n in names:
         a = acc[n]
         if "diag_fisher" in stats:
-            np.save(out / f"{n}.diag_fisher.npy", (a["g2"] / k).numpy())
+            np.save(out / f"{n}.diag_fisher.npy", (a["g2"].double() / k).numpy())
         if "abs_mean" in stats:
             np.save(out / f"{n}.abs_mean.npy", (a["abs_sum"] / max(tokens[n], 1)).float().numpy())
         if "xxt" in stats or "kfac" in stats:

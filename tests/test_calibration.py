@@ -64,7 +64,7 @@ def test_select_layers_regex_glob_and_error():
 def test_gradients_and_statistics_equal_autograd(kind, tmp_path):
     model = tiny_llama() if kind == "llama" else tiny_bert()
     batches = lm_batches() if kind == "llama" else bert_batches()
-    layers = r"model\.layers\.1\.(mlp\.down_proj|self_attn\.k_proj)" if kind == "llama" else \
+    layers = r"model\.layers\.1\.(mlp\.(up|down)_proj|self_attn\.(q|k)_proj)" if kind == "llama" else \
         r"bert\.encoder\.layer\.0\.(attention\.self\.query|intermediate\.dense)"
     names = select_layers(model, layers)
     stats = collect_calibration(model, batches, layers, cache_dir=tmp_path)
