@@ -1,0 +1,294 @@
+"""Writing the paper's figures and tables: atomic files with a provenance record.
+
+Notebooks (``notebooks/``) call these helpers so that every artefact in
+``figures/`` is written the same way:
+
+* a figure ``<name>`` becomes ``<name>.png`` and ``<name>.pdf``;
+* a table ``<name>`` becomes ``<name>.csv``, ``<name>.md`` and ``<name>.tex``;
+* next to either, ``<name>.provenance.json`` records the git commit, the
+  notebook parameters, the machine, the library versions and the wall time.
+
+Every file is written to a temporary name in the destination folder and moved
+into place with :func:`os.replace`, so an interrupted run never leaves a
+half-written artefact behind. Relative output folders are resolved against the
+repository root (the folder holding ``pyproject.toml``), so a notebook gives
+the same paths whether it runs from the repository root (``make``) or from
+``notebooks/`` (Jupyter).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .conventions import FisherkronError
+
+__all__ = ["repo_root", "output_dir", "atomic_write", "save_figure", "save_table", "provenance",
+           "write_provenance", "latex_table", "machine_info", "git_commit"]
+
+_T0 = time.perf_counter()  # import time of this module: the start of a notebook's clock by default
+
+
+def repo_root(start: str | os.PathLike | None = None) -> Path:
+    """The nearest folder at or above ``start`` (default: the cwd) holding ``pyproject.toml``.
+
+    Falls back to the package's parent folder when no such folder is found.
+    """
+    here = Path(start or os.getcwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / "pyproject.toml").is_file() and (d / "fisherkron").is_dir():
+            return d
+    return Path(__file__).resolve().parent.parent
+
+
+def output_dir(path: str | os.PathLike) -> Path:
+    """``path`` made absolute against :func:`repo_root` (if relative) and created."""
+    p = Path(path)
+    if not p.is_absolute():
+        p = repo_root() / p
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> Path:
+    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then ``os.replace`` it into place.
+
+    The temporary file keeps ``path``'s suffix (matplotlib and pandas pick the
+    format from it) and is removed if ``write`` raises.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> p = atomic_write(d / "x.txt", lambda t: pathlib.Path(t).write_text("hi"))
+    >>> p.read_text(), sorted(f.name for f in d.iterdir())
+    ('hi', ['x.txt'])
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _write_text(path: Path, text: str) -> Path:
+    def w(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    return atomic_write(path, w)
+
+
+# -- provenance ------------------------------------------------------------------
+def git_commit(root: Path | None = None) -> dict[str, Any]:
+    """``{"commit": sha or None, "dirty": bool or None}`` of the repository at ``root``."""
+    root = root or repo_root()
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip() or None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=10)
+        dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        sha, dirty = None, None
+    return {"commit": sha, "dirty": dirty}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """Platform, CPU model, usable cores, torch threads, GPU (if any) and library versions."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu": _cpu_model(),
+        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:  # pragma: no cover
+        info["torch"] = None
+    for mod in ("numpy", "scipy", "matplotlib", "pandas"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            info[mod] = getattr(m, "__version__", None)
+    return info
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:  # numpy / torch scalars
+        return _jsonable(x.item())
+    return str(x)
+
+
+def provenance(name: str, params: Mapping[str, Any] | None = None, *, files: list[str] | None = None,
+               started: float | None = None, notebook: str | None = None,
+               extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The provenance record of one artefact.
+
+    Args:
+        name: artefact name (e.g. ``fig_corr``).
+        params: the notebook parameters that produced it.
+        files: the file names written for it.
+        started: ``time.perf_counter()`` at the start of the run; the wall time
+            is measured from it (default: when this module was imported).
+        notebook: the notebook that produced it (``notebooks/<name>.py``).
+        extra: anything else worth recording (e.g. measured summary numbers).
+    """
+    rec: dict[str, Any] = {
+        "name": name,
+        "notebook": notebook,
+        "files": files or [],
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "wall_seconds": round(time.perf_counter() - (_T0 if started is None else started), 3),
+        "git": git_commit(),
+        "parameters": _jsonable(dict(params or {})),
+        "machine": machine_info(),
+    }
+    if extra:
+        rec["extra"] = _jsonable(dict(extra))
+    return rec
+
+
+def write_provenance(folder: str | os.PathLike, name: str, record: Mapping[str, Any]) -> Path:
+    """Write ``record`` to ``<folder>/<name>.provenance.json`` atomically."""
+    return _write_text(output_dir(folder) / f"{name}.provenance.json",
+                       json.dumps(_jsonable(dict(record)), indent=2, sort_keys=False) + "\n")
+
+
+# -- figures ---------------------------------------------------------------------
+def save_figure(fig, name: str, folder: str | os.PathLike, params: Mapping[str, Any] | None = None, *,
+                started: float | None = None, notebook: str | None = None, dpi: int = 150,
+                extra: Mapping[str, Any] | None = None) -> list[Path]:
+    """Save a matplotlib figure as ``<folder>/<name>.png`` and ``.pdf`` plus its provenance record.
+
+    The PDF is written without a creation date so re-running an unchanged
+    notebook gives the same PDF bytes.
+
+    Returns:
+        The paths written (PNG, PDF, provenance JSON).
+    """
+    if not name or "/" in name:
+        raise FisherkronError(f"figure name must be a plain file stem, got {name!r}")
+    out = output_dir(folder)
+    png = atomic_write(out / f"{name}.png", lambda t: fig.savefig(t, dpi=dpi, bbox_inches="tight",
+                                                                   metadata={"Software": None}))
+    pdf = atomic_write(out / f"{name}.pdf", lambda t: fig.savefig(t, bbox_inches="tight",
+                                                                   metadata={"CreationDate": None,
+                                                                             "Creator": None,
+                                                                             "Producer": None}))
+    rec = provenance(name, params, files=[png.name, pdf.name], started=started, notebook=notebook, extra=extra)
+    return [png, pdf, write_provenance(out, name, rec)]
+
+
+# -- tables ----------------------------------------------------------------------
+def _tex_escape(s: str) -> str:
+    repl = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+            "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+    return "".join(repl.get(c, c) for c in s)
+
+
+def _fmt(v: Any, floatfmt: str) -> str:
+    if isinstance(v, float):
+        return "" if math.isnan(v) else format(v, floatfmt)
+    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+        return _fmt(v.item(), floatfmt)
+    return str(v)
+
+
+def latex_table(df, *, caption: str | None = None, label: str | None = None, floatfmt: str = ".4g") -> str:
+    """A booktabs ``tabular`` for a pandas DataFrame (index dropped), no jinja2 needed.
+
+    >>> import pandas as pd
+    >>> print(latex_table(pd.DataFrame({"a_b": [1.5], "c": ["x&y"]})))
+    \\begin{tabular}{rl}
+    \\toprule
+    a\\_b & c \\\\
+    \\midrule
+    1.5 & x\\&y \\\\
+    \\bottomrule
+    \\end{tabular}
+    <BLANKLINE>
+    """
+    import pandas as pd
+
+    align = "".join("r" if pd.api.types.is_numeric_dtype(df[c]) else "l" for c in df.columns)
+    lines = [rf"\begin{{tabular}}{{{align}}}", r"\toprule",
+             " & ".join(_tex_escape(str(c)) for c in df.columns) + r" \\", r"\midrule"]
+    for row in df.itertuples(index=False):
+        lines.append(" & ".join(_tex_escape(_fmt(v, floatfmt)) for v in row) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    body = "\n".join(lines) + "\n"
+    if caption is None and label is None:
+        return body
+    head = [r"\begin{table}[!htbp]", r"\centering"]
+    if caption:
+        head.append(rf"\caption{{{_tex_escape(caption)}}}")
+    if label:
+        head.append(rf"\label{{{label}}}")
+    return "\n".join(head) + "\n" + body + r"\end{table}" + "\n"
+
+
+def _markdown_table(df, floatfmt: str) -> str:
+    cols = [str(c) for c in df.columns]
+    rows = [[_fmt(v, floatfmt).replace("|", r"\|") for v in r] for r in df.itertuples(index=False)]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def save_table(df, name: str, folder: str | os.PathLike, params: Mapping[str, Any] | None = None, *,
+               caption: str | None = None, label: str | None = None, floatfmt: str = ".4g",
+               started: float | None = None, notebook: str | None = None,
+               extra: Mapping[str, Any] | None = None) -> list[Path]:
+    """Save a DataFrame as ``<folder>/<name>.csv``, ``.md`` and ``.tex`` plus its provenance record.
+
+    The CSV keeps full precision; Markdown and LaTeX use ``floatfmt``. The
+    index is not written (put what matters into columns first).
+
+    Returns:
+        The paths written (CSV, Markdown, LaTeX, provenance JSON).
+    """
+    if not name or "/" in name:
+        raise FisherkronError(f"table name must be a plain file stem, got {name!r}")
+    if len(df.columns) == 0:
+        raise FisherkronError(f"table {name} has no columns")
+    out = output_dir(folder)
+    csv = atomic_write(out / f"{name}.csv", lambda t: df.to_csv(t, index=False))
+    md = _write_text(out / f"{name}.md", _markdown_table(df, floatfmt))
+    tex = _write_text(out / f"{name}.tex", latex_table(df, caption=caption, label=label, floatfmt=floatfmt))
+    rec = provenance(name, params, files=[csv.name, md.name, tex.name], started=started, notebook=notebook,
+                     extra=extra)
+    return [csv, md, tex, write_provenance(out, name, rec)]

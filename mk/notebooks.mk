@@ -1,0 +1,97 @@
+# Notebooks that regenerate the paper's figures and tables (issue 4).
+#
+# Each notebook notebooks/<name>.py (jupytext py:percent) is converted to .ipynb
+# and executed by papermill with the parameters of the selected profile,
+#   notebooks/params/<name>.$(PROFILE).yaml      (PROFILE = default | paper | smoke)
+# plus `output_dir` (where figures/tables go) and `profile`. The executed
+# notebook is kept in build/notebooks/$(PROFILE)/<name>.ipynb; the figures and
+# tables go to $(FIGDIR):
+#   PROFILE=default -> figures/          (committed, with provenance records)
+#   PROFILE=paper   -> figures/paper/
+#   PROFILE=smoke   -> build/smoke/figures/   (never touches figures/)
+#
+# Adding a notebook (3 lines, in this file or in your own mk/*.mk):
+#   $(eval $(call notebook,tab_bert_glue,$(call tab,tab_glue_results) $(call fig,fig_bert_glue_avg),data/x.json))
+#   tab_bert_glue: ## Tab. glue_results + Fig. bert_glue_avg (Sec. 6.2)
+# Arguments: notebook name; the files it writes (`fig`/`tab` list the files of
+# a figure/table saved with fisherkron.figures.save_figure/save_table); extra
+# prerequisites (data it reads). The notebook's outputs are one grouped target
+# whose prerequisites are the notebook, its params file, the core sources and
+# the extra prerequisites, so an edit rebuilds exactly that notebook and a
+# second `make all` does nothing. `all` and `smoke` pick it up automatically.
+
+NB_DIR    := notebooks
+NB_PARAMS := $(NB_DIR)/params
+NB_BUILD  := build/notebooks/$(PROFILE)
+FIGDIR_default := figures
+FIGDIR_paper   := figures/paper
+FIGDIR_smoke   := build/smoke/figures
+FIGDIR ?= $(or $(FIGDIR_$(PROFILE)),build/$(PROFILE)/figures)
+# The core the notebooks call (all of fisherkron/, as the notebooks import the package).
+CORE_SRC := $(sort $(wildcard fisherkron/*.py))
+NOTEBOOKS :=
+
+# The files of a figure / a table written by fisherkron.figures (with provenance records).
+fig = $(foreach s,$1,$(FIGDIR)/$s.png $(FIGDIR)/$s.pdf $(FIGDIR)/$s.provenance.json)
+tab = $(foreach s,$1,$(FIGDIR)/$s.csv $(FIGDIR)/$s.md $(FIGDIR)/$s.tex $(FIGDIR)/$s.provenance.json)
+
+# $(call run_notebook,NAME,OUTPUTS): execute one notebook; the executed .ipynb is
+# written under a temporary name and moved into place; every declared output
+# must exist afterwards. A failed run leaves build/.../NAME.failed.ipynb.
+define run_notebook
+	@mkdir -p $(NB_BUILD) $(FIGDIR)
+	@echo "[notebook] $1 (PROFILE=$(PROFILE), outputs in $(FIGDIR)/)"
+	$(PY) -m jupytext --quiet --to ipynb --output $(NB_BUILD)/$1.src.ipynb $(NB_DIR)/$1.py
+	@start=$$SECONDS; \
+	$(PY) -m papermill --no-progress-bar --log-level WARNING -k python3 --cwd $(CURDIR) \
+	  -f $(NB_PARAMS)/$1.$(PROFILE).yaml -p output_dir $(FIGDIR) -p profile $(PROFILE) \
+	  $(NB_BUILD)/$1.src.ipynb $(NB_BUILD)/$1.tmp.ipynb \
+	  || { mv -f $(NB_BUILD)/$1.tmp.ipynb $(NB_BUILD)/$1.failed.ipynb 2>/dev/null; \
+	       echo "[notebook] $1 FAILED: see $(NB_BUILD)/$1.failed.ipynb" >&2; exit 1; }; \
+	echo "[notebook] $1 took $$((SECONDS - start)) s"
+	@for f in $2; do test -e "$$f" || { echo "[notebook] $1 did not write $$f" >&2; exit 1; }; done
+	@rm -f $(NB_BUILD)/$1.src.ipynb $(NB_BUILD)/$1.failed.ipynb
+	@mv -f $(NB_BUILD)/$1.tmp.ipynb $(NB_BUILD)/$1.ipynb
+endef
+
+# $(eval $(call notebook,NAME,OUTPUTS,EXTRA_PREREQS))
+define notebook
+NOTEBOOKS += $1
+.PHONY: $1
+$1: $2 $(NB_BUILD)/$1.ipynb
+$2 $(NB_BUILD)/$1.ipynb &: $(NB_DIR)/$1.py $(NB_PARAMS)/$1.$(PROFILE).yaml $(CORE_SRC) $3 | $(STAMP)
+	$$(call run_notebook,$1,$2)
+endef
+
+$(NB_PARAMS)/%.yaml:
+	@echo "missing parameter file $@: write it (keys = the notebook's parameters cell) or pick another PROFILE" >&2
+	@exit 1
+
+# -- the notebooks of issue 4 ---------------------------------------------------
+$(eval $(call notebook,kronecker_fisher_from_scratch,$(call fig,kronecker_fisher_from_scratch)))
+kronecker_fisher_from_scratch: ## teaching notebook: Kronecker-factored Fisher from scratch (Secs. 3-5, App. E)
+
+$(eval $(call notebook,fig_synthetic_correlations,$(call fig,fig_corr fig_diag_full_synth) $(call tab,tab_diag_full_synth tab_synthetic_gaps) $(FIGDIR)/fig_synthetic_correlations_summary.provenance.json))
+fig_synthetic_correlations: ## Fig. corr + Fig. diag_full_synth (Sec. 6.1): synthetic covariance experiment
+
+# The MFF runtime study (Fig./Tab. time_algo) is written by another developer;
+# its target exists once the notebook does.
+ifneq ($(wildcard $(NB_DIR)/fig_time_algo.py),)
+$(eval $(call notebook,fig_time_algo,$(FIGDIR)/fig_time_algo.png $(FIGDIR)/fig_time_algo.pdf \
+  $(FIGDIR)/tab_time_algo.csv $(FIGDIR)/tab_time_algo.md $(FIGDIR)/tab_time_algo.tex))
+fig_time_algo: ## Fig. + Tab. time_algo (Sec. 4.2): MFF runtime study (notebooks/fig_time_algo.py)
+else
+.PHONY: fig_time_algo
+fig_time_algo: ## Fig. + Tab. time_algo (Sec. 4.2): MFF runtime study (notebooks/fig_time_algo.py)
+	@echo "notebooks/fig_time_algo.py does not exist yet (MFF runtime study, issue 4 item 5)" >&2; exit 1
+endif
+
+# -- aggregate targets ----------------------------------------------------------
+# Second expansion: `all` sees the notebooks that mk/*.mk files read after this one add.
+.SECONDEXPANSION:
+.PHONY: all notebooks clean-build
+all: notebooks ## regenerate every figure and table (PROFILE=default|paper; default writes figures/)
+notebooks: $$(NOTEBOOKS) ## execute every notebook whose inputs changed (PROFILE as for `all`)
+
+clean-build: ## remove executed notebooks and smoke outputs (build/notebooks, build/smoke)
+	rm -rf build/notebooks build/smoke
