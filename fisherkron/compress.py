@@ -194,7 +194,8 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
     (warm-started from K-FAC) and ``A``/``B`` regularised until Cholesky exists.
 
     Args:
-        model: the model; changed in place.
+        model: the model; changed in place once every layer has been factorised
+            (on an error it is left as it was).
         method: one of :data:`METHODS`.
         stats: calibration statistics (all methods but ``svd`` need them).
         layers: regex/glob pattern(s); default: the layers in ``stats`` (or the paper's).
@@ -235,6 +236,7 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
     mods = dict(model.named_modules())
     report = CompressionReport(method, before, before, 0, 0, target_ratio=ratio)
     opts = dict(mff_options or {})
+    new: dict[str, LowRankLinear] = {}
 
     for name in tqdm(names, desc=f"compress ({method})", disable=not progress):
         t0 = time.perf_counter()
@@ -274,12 +276,14 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             regB = regularize(B, alpha=alpha, method=regularization, name=f"{name}: B (output side, n x n)")
             lr.alpha_A, lr.alpha_B = shift + regA.alpha, shift + regB.alpha
             W2, W1 = gfwsvd(W, regA, regB, r, name=name)
-        low = LowRankLinear.from_factors(W2.to(W.dtype), W1.to(W.dtype),
-                                         lin.bias.detach() if has_bias else None).to(W.device)
-        _set_module(model, name, low)
+        new[name] = LowRankLinear.from_factors(W2.to(W.dtype), W1.to(W.dtype),
+                                               lin.bias.detach() if has_bias else None).to(W.device)
         lr.params_after = lowrank_params(n, m, r, has_bias)
         report.layer_params_after += lr.params_after
         lr.seconds = time.perf_counter() - t0
+    # surgery only once every layer is factorised: an error above leaves the model untouched
+    for name, low in new.items():
+        _set_module(model, name, low)
     report.params_after = count_params(model)
     report.seconds = time.perf_counter() - t_all
     expected = before - report.layer_params_before + report.layer_params_after

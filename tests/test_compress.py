@@ -153,3 +153,26 @@ def test_save_load_gives_identical_logits(kind, tmp_path, llama_stats):
         (tmp_path / "other" / "x.txt").write_text("keep me")
         save_compressed(model, tmp_path / "other")
     assert (tmp_path / "other" / "x.txt").read_text() == "keep me"
+
+
+def test_failure_midway_leaves_the_model_untouched(llama_stats, monkeypatch):
+    base, st = llama_stats
+    model = copy.deepcopy(base)
+    x = batches(97, k=1)[0]["input_ids"]
+    with torch.no_grad():
+        ref = model(x).logits
+    last = list(st.layers)[-1]
+    real = st.diag_fisher
+    seen = []
+
+    def poisoned(name):  # the last layer's statistics are NaN: found after 13 layers were factorised
+        seen.append(name)
+        D = real(name)
+        return D * float("nan") if name == last else D
+    monkeypatch.setattr(st, "diag_fisher", poisoned)
+    with pytest.raises(FisherkronError, match="NaN"):
+        compress(model, "fwsvd", st, rank=3)
+    assert len(seen) == 14
+    assert not any(isinstance(m, LowRankLinear) for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, ref, rtol=0, atol=0)
