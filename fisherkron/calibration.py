@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -119,7 +119,6 @@ class CalibrationStats:
     config: dict
     stats: tuple[str, ...]
     from_cache: bool = False
-    _memo: dict = field(default_factory=dict, repr=False)
 
     def _file(self, name: str, stat: str) -> Path:
         if name not in self.layers:
@@ -392,7 +391,10 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
         for n in names:
             modules[n].weight.requires_grad_(True)
         model.eval()
+        device = next(model.parameters()).device
         for i, batch in enumerate(tqdm(batches, desc="calibration", disable=not progress)):
+            if isinstance(batch, dict):
+                batch = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in batch.items()}
             mask = batch.get("attention_mask") if isinstance(batch, dict) else None
             mask_holder["mask"] = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
             shared_gram.clear()

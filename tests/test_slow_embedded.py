@@ -53,8 +53,10 @@ def test_smollm2_c4_gfwsvd_ptb_and_lm_eval(tmp_path):
     assert sum(isinstance(m, LowRankLinear) for m in model.modules()) == 6
     after = fk.perplexity(model, tok, ptb, seq_len=256, max_tokens=1024)
     assert before.ppl < after.ppl < 3 * before.ppl  # half-rank on 6 of 210 layers: a mild loss
-    res = fk.run_lm_eval(model, tok, ["arc_easy"], num_fewshot=0, limit=4, bootstrap_iters=10)
-    assert 0.0 <= res["arc_easy"]["acc"] <= 1.0
+    res = fk.run_lm_eval(model, tok, ["arc_easy", "winogrande"], num_fewshot=0, limit=4, bootstrap_iters=10)
+    assert 0.0 <= res["arc_easy"]["acc"] <= 1.0 and 0.0 <= res["winogrande"]["acc"] <= 1.0
+    res5 = fk.run_lm_eval(model, tok, ["mmlu_abstract_algebra"], num_fewshot=5, limit=2, bootstrap_iters=10)
+    assert 0.0 <= res5["mmlu_abstract_algebra"]["acc"] <= 1.0
     fk.save_compressed(model, tmp_path / "smol", report=rep, tokenizer=tok)
     loaded = fk.load_compressed(tmp_path / "smol")
     x = batches[0]["input_ids"][:, :32]
