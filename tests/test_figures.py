@@ -1,5 +1,6 @@
 """fisherkron.figures: atomic artefacts with provenance records."""
 import json
+import os
 
 import matplotlib
 
@@ -45,6 +46,15 @@ def test_save_figure_writes_png_pdf_and_provenance(tmp_path):
     assert rec["wall_seconds"] > 0 and set(rec["git"]) == {"commit", "dirty"}
     assert {"platform", "cpu", "cpu_count", "torch"} <= set(rec["machine"])
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
+
+
+def test_files_get_the_umask_permissions_not_mkstemp_0600(tmp_path):
+    old = os.umask(0o022)
+    try:
+        p = figures.atomic_write(tmp_path / "a.txt", lambda t: open(t, "w").close())
+    finally:
+        os.umask(old)
+    assert p.stat().st_mode & 0o777 == 0o644
 
 
 def test_pdf_is_reproducible(tmp_path):
