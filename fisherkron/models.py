@@ -20,6 +20,7 @@ alternative.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -152,6 +153,10 @@ def smollm2_folder(progress: bool = False) -> Path:
 
     out = data_root() / "models" / "SmolLM2-135M-Instruct-fp32"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        cfg = json.loads((out / "config.json").read_text())
+        if "quantization_config" in cfg:  # written by an earlier version: the weights are plain fp32
+            del cfg["quantization_config"]
+            (out / "config.json").write_text(json.dumps(cfg, indent=2))
         return out
     gguf = _embedded_file(EMBEDDED_MODELS["smollm2"])
     set_offline_env()
@@ -159,7 +164,10 @@ def smollm2_folder(progress: bool = False) -> Path:
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    plain = LlamaForCausalLM(src.config)
+    config = src.config
+    if hasattr(config, "quantization_config"):  # the GGUF origin; the fp32 copy is not quantised
+        del config.quantization_config
+    plain = LlamaForCausalLM(config)
     missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
     bad = [k for k in missing if k != "lm_head.weight"] + list(unexpected)
     if bad:
