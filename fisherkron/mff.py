@@ -53,6 +53,7 @@ class MFFResult:
         residual: Lanczos residual bound ``||R^T u - sigma v|| / sigma`` of the leading triplet.
         seconds: wall time of the factorisation (setup and products, not ``||F||``);
             ``flops`` the flops of the products.
+        product_seconds: wall time spent inside the products (GEMMs and gradient reads).
         terms_A, terms_B: all Kronecker terms (``F ~= sum_j A_j (x) B_j``) when ``terms > 1``.
     """
 
@@ -67,6 +68,7 @@ class MFFResult:
     seconds: float
     flops: int
     history: list[float] = field(default_factory=list)
+    product_seconds: float = float("nan")
     terms_A: list[torch.Tensor] = field(default_factory=list)
     terms_B: list[torch.Tensor] = field(default_factory=list)
 
@@ -80,21 +82,32 @@ class MFFResult:
         """Achieved GFLOP/s of the products over the whole call."""
         return self.flops / max(self.seconds, 1e-12) / 1e9
 
+    @property
+    def matvec_gflops(self) -> float:
+        """Achieved GFLOP/s while doing the products (``flops / product_seconds``)."""
+        return self.flops / max(self.product_seconds, 1e-12) / 1e9
+
 
 def _sym(X: torch.Tensor) -> torch.Tensor:
     return 0.5 * (X + X.T)
 
 
 def _start_matrix(init, n: int, device, dtype) -> torch.Tensor:
-    """The Lanczos start ``Z_0`` (``n x n``, output side) from ``init``."""
+    """The Lanczos start ``Z_0`` (``n x n``, output side) from ``init``, in float64.
+
+    The Lanczos bookkeeping (bases, norms, inner products) is always float64,
+    whatever the GEMM dtype: a float32 reduction over the ``n^2`` entries of a
+    factor with a wide dynamic range (K-FAC ``B`` of a real layer) is off by
+    ~1e-4, which showed up as a 1e-4 floor in the error of ``A (x) B``.
+    """
     if init is None:
-        return torch.eye(n, device=device, dtype=dtype)
+        return torch.eye(n, device=device, dtype=torch.float64)
     if isinstance(init, (tuple, list)):  # (A, B) from K-FAC or a previous solution
         init = init[1]
     for attr in ("B",):
         if hasattr(init, attr):
             init = getattr(init, attr)
-    Z0 = torch.as_tensor(init).to(device, dtype)
+    Z0 = torch.as_tensor(init).to(device, torch.float64)
     check_square(Z0, "init (the output-side factor B)", n)
     if not torch.isfinite(Z0).all() or Z0.norm() == 0:
         raise FisherkronError("init (the output-side factor B) is zero or has NaN/inf entries")
@@ -111,6 +124,7 @@ class _GolubKahan:
 
     def __init__(self, op: RearrangedFisher, Z0: torch.Tensor, symmetric: bool):
         self.op, self.symmetric = op, symmetric
+        Z0 = Z0.double()
         v = Z0 / Z0.norm()
         self.V = [v]  # right basis: (n, n) matrices (B side)
         self.U: list[torch.Tensor] = []  # left basis: (m, m) matrices (A side)
@@ -120,9 +134,12 @@ class _GolubKahan:
 
     @staticmethod
     def _orth(w: torch.Tensor, basis: list[torch.Tensor]) -> torch.Tensor:
-        for _ in range(2):  # twice is enough (Kahan-Parlett)
+        """Modified Gram-Schmidt, twice (Kahan-Parlett), in place with BLAS dot/axpy (float64)."""
+        w = w.contiguous()
+        wf = w.view(-1)
+        for _ in range(2):
             for q in basis:
-                w = w - (q * w).sum() * q
+                wf.add_(q.view(-1), alpha=-float(torch.dot(q.view(-1), wf)))
         return w
 
     def step(self) -> None:
@@ -242,11 +259,10 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
         tol = 1e-10 if dtype == torch.float64 else 1e-5
     symmetric = terms == 1
     if symmetric:
-        Z0 = _start_matrix(init, n, stack.device, dtype)
-        Z0 = _sym(Z0)
+        Z0 = _sym(_start_matrix(init, n, stack.device, dtype))
     else:
         gen = torch.Generator().manual_seed(0)
-        Z0 = torch.randn(n, n, generator=gen, dtype=torch.float64).to(stack.device, dtype)
+        Z0 = torch.randn(n, n, generator=gen, dtype=torch.float64).to(stack.device)
     if Z0.norm() == 0:
         raise FisherkronError("init (the output-side factor B) has a zero symmetric part")
     gk = _GolubKahan(op, Z0, symmetric)
@@ -306,7 +322,7 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
     return MFFResult(A=terms_A[0], B=terms_B[0], sigma=s.clone(), fisher_norm_sq=fnorm,
                      matvecs=op.num_matvecs, converged=converged, rel_change=change,
                      residual=res_bound, seconds=seconds, flops=flops,
-                     history=history, terms_A=terms_A if terms > 1 else [], terms_B=terms_B if terms > 1 else [])
+                     history=history, product_seconds=op.product_seconds, terms_A=terms_A if terms > 1 else [], terms_B=terms_B if terms > 1 else [])
 
 
 def kronecker_terms(grads, r: int, **kwargs) -> MFFResult:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -51,6 +52,14 @@ def default_memory_budget(device: torch.device) -> int:
         return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.25)
     except (ValueError, OSError, AttributeError):
         return 4 << 30
+
+
+def _npy_file(src) -> tuple[str, int, np.dtype] | None:
+    """``(path, data offset, dtype)`` of a C-ordered memory-mapped ``.npy`` source, else None."""
+    if isinstance(src, np.memmap) and getattr(src, "filename", None) and src.flags.c_contiguous \
+            and src.dtype in (np.float32, np.float64) and src.dtype.isnative:
+        return str(src.filename), int(src.offset), src.dtype
+    return None
 
 
 class GradientStack:
@@ -107,6 +116,8 @@ class GradientStack:
         # A chunk needs itself, its (n, kc, m) copy and one work buffer of the same size.
         self.chunk_size = max(1, min(self.k, self.memory_budget // (3 * self.bytes_per_grad)))
         self._resident: list[torch.Tensor] | None = None
+        self._buf: torch.Tensor | None = None  # reused (n, kc, m) chunk buffer of the streamed path
+        self._file = _npy_file(src)
         if 2 * self.k * self.bytes_per_grad <= self.memory_budget:
             self._resident = list(self._load_chunks(self.k))
             self.chunk_size = self.k
@@ -153,25 +164,77 @@ class GradientStack:
         np_store = np.float64 if store == torch.float64 else np.float32
         return np.memmap(self._tmpfile, dtype=np_store, mode="r", shape=(count, *shape))
 
-    def _load_chunks(self, size: int) -> Iterator[torch.Tensor]:
-        src = self._source
+    def _load_chunks(self, size: int, reuse: bool = False) -> Iterator[torch.Tensor]:
+        """Yield ``(n, kc, m)`` chunks; with ``reuse`` every chunk is written into one buffer.
+
+        A C-ordered ``.npy`` source is read with plain file reads, one
+        gradient at a time, straight into the chunk buffer (so resident memory
+        stays at about one chunk plus one gradient, unlike a memory map whose
+        touched pages count against the process); other sources are sliced.
+        """
+        n, m = self.n, self.m
         for start in range(0, self.k, size):
             stop = min(self.k, start + size)
-            part = src[start:stop]
-            if isinstance(part, np.ndarray):
-                part = torch.from_numpy(np.array(part, copy=True))  # owned, writable
-            part = part.to(self.device, self.dtype)  # (kc, n, m)
-            if not torch.isfinite(part).all():
-                bad = (~torch.isfinite(part)).flatten(1).any(1).nonzero()[0, 0].item() + start
-                raise FisherkronError(f"{self.name}: gradient of batch {bad} has NaN/inf entries")
-            yield part.permute(1, 0, 2).contiguous()  # (n, kc, m)
+            kc = stop - start
+            if reuse:
+                if self._buf is None or self._buf.shape[1] < kc:
+                    self._buf = torch.empty(n, size, m, dtype=self.dtype, device=self.device)
+                out = self._buf[:, :kc] if kc < self._buf.shape[1] else self._buf
+            else:
+                out = None
+            if self._file is not None:
+                out = self._read_file_chunk(start, stop, out)
+            else:
+                part = self._source[start:stop]
+                if isinstance(part, np.ndarray):
+                    part = torch.from_numpy(np.ascontiguousarray(part))
+                part = part.to(self.device, self.dtype)  # (kc, n, m)
+                self._check_chunk(part, start)
+                if out is None:
+                    out = part.permute(1, 0, 2).contiguous()  # (n, kc, m)
+                else:
+                    out.copy_(part.permute(1, 0, 2))
+            yield out
+
+    def _check_chunk(self, part: torch.Tensor, start: int) -> None:
+        if not torch.isfinite(part).all():
+            bad = (~torch.isfinite(part)).flatten(1).any(1).nonzero()[0, 0].item() + start
+            raise FisherkronError(f"{self.name}: gradient of batch {bad} has NaN/inf entries")
+
+    def _read_file_chunk(self, start: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
+        path, offset, np_dtype = self._file
+        n, m = self.n, self.m
+        if out is None:
+            out = torch.empty(n, stop - start, m, dtype=self.dtype, device=self.device)
+        host = np.empty((n, m), dtype=np_dtype)  # one gradient
+        host_t = torch.from_numpy(host)
+        nbytes = host.nbytes
+        with open(path, "rb", buffering=0) as fh:
+            fh.seek(offset + start * nbytes)
+            for j in range(stop - start):
+                if fh.readinto(memoryview(host).cast("B")) != nbytes:
+                    raise FisherkronError(f"{self.name}: gradient file {path} is truncated at batch {start + j}")
+                if not torch.isfinite(host_t).all():
+                    raise FisherkronError(f"{self.name}: gradient of batch {start + j} has NaN/inf entries")
+                out[:, j].copy_(host_t)  # (n, m) into the (n, kc, m) layout
+        return out
 
     def chunks(self) -> Iterator[torch.Tensor]:
-        """Yield the gradients as ``(n, kc, m)`` tensors on ``device``."""
+        """Yield the gradients as ``(n, kc, m)`` tensors on ``device``.
+
+        On the streamed path the chunks share one buffer: use each chunk
+        before asking for the next.
+        """
         if self._resident is not None:
             yield from self._resident
         else:
-            yield from self._load_chunks(self.chunk_size)
+            yield from self._load_chunks(self.chunk_size, reuse=True)
+
+    def _fresh_chunks(self) -> Iterator[torch.Tensor]:
+        if self._resident is not None:
+            yield from self._resident
+        else:
+            yield from self._load_chunks(self.chunk_size, reuse=False)
 
     @property
     def streamed(self) -> bool:
@@ -180,16 +243,16 @@ class GradientStack:
 
     def stacked(self) -> torch.Tensor:
         """All gradients as one ``(k, n, m)`` tensor (small problems only)."""
-        return torch.cat([c.permute(1, 0, 2) for c in self.chunks()], dim=0)
+        return torch.cat([c.permute(1, 0, 2) for c in self._fresh_chunks()], dim=0)
 
     def gram(self) -> torch.Tensor:
         """Gram matrix ``Gamma[i, j] = <G_i, G_j>`` (``k x k``, float64)."""
         K = torch.zeros(self.k, self.k, dtype=torch.float64, device=self.device)
         offs_i = 0
-        for ci in self.chunks():
+        for ci in self._fresh_chunks():
             fi = ci.permute(1, 0, 2).reshape(ci.shape[1], -1)  # (kc_i, n m)
             offs_j = 0
-            for cj in self.chunks():
+            for cj in self._fresh_chunks():
                 if offs_j >= offs_i:
                     fj = cj.permute(1, 0, 2).reshape(cj.shape[1], -1)
                     blk = (fi @ fj.T).double()
@@ -230,33 +293,50 @@ class RearrangedFisher(spla.LinearOperator):
         self.grads = grads
         self.n, self.m, self.k = grads.n, grads.m, grads.k
         self.num_matvecs = 0
+        self.product_seconds = 0.0  # wall time inside apply/apply_adjoint (device synchronised)
         np_dtype = np.float64 if grads.dtype == torch.float64 else np.float32
         super().__init__(dtype=np_dtype, shape=(self.m ** 2, self.n ** 2))
 
     # -- matrix forms ---------------------------------------------------------
+    def _sync(self) -> None:
+        if self.grads.device.type == "cuda":
+            torch.cuda.synchronize(self.grads.device)
+
     def apply(self, Z: torch.Tensor) -> torch.Tensor:
-        """``(1/k) sum_i G_i^T Z G_i`` for ``Z`` (``n x n``) -> ``m x m`` (float64 accumulation)."""
+        """``(1/k) sum_i G_i^T Z G_i`` for ``Z`` (``n x n``) -> ``m x m`` (float64 accumulation over chunks)."""
         n, m = self.n, self.m
+        t0 = time.perf_counter()
         Z = Z.to(self.grads.device, self.grads.dtype)
-        out = torch.zeros(m, m, dtype=torch.float64, device=self.grads.device)
+        out = None
         for Gc in self.grads.chunks():  # (n, kc, m)
             kc = Gc.shape[1]
             P = Z @ Gc.view(n, kc * m)  # (n, kc m): Z G_i side by side
-            out += (Gc.view(n * kc, m).T @ P.view(n * kc, m)).double()  # (m, m) = sum_i G_i^T Z G_i
+            part = Gc.view(n * kc, m).T @ P.view(n * kc, m)  # (m, m) = sum_i G_i^T Z G_i
+            del P
+            out = part.double() if out is None else out.add_(part)
         self.num_matvecs += 1
-        return out / self.k
+        out = out.div_(self.k)
+        self._sync()
+        self.product_seconds += time.perf_counter() - t0
+        return out
 
     def apply_adjoint(self, Y: torch.Tensor) -> torch.Tensor:
-        """``(1/k) sum_i G_i Y G_i^T`` for ``Y`` (``m x m``) -> ``n x n`` (float64 accumulation)."""
+        """``(1/k) sum_i G_i Y G_i^T`` for ``Y`` (``m x m``) -> ``n x n`` (float64 accumulation over chunks)."""
         n, m = self.n, self.m
+        t0 = time.perf_counter()
         Y = Y.to(self.grads.device, self.grads.dtype)
-        out = torch.zeros(n, n, dtype=torch.float64, device=self.grads.device)
+        out = None
         for Gc in self.grads.chunks():  # (n, kc, m)
             kc = Gc.shape[1]
             P = Gc.view(n * kc, m) @ Y  # (n kc, m): G_i Y stacked
-            out += (P.view(n, kc * m) @ Gc.view(n, kc * m).T).double()  # (n, n) = sum_i G_i Y G_i^T
+            part = P.view(n, kc * m) @ Gc.view(n, kc * m).T  # (n, n) = sum_i G_i Y G_i^T
+            del P
+            out = part.double() if out is None else out.add_(part)
         self.num_matvecs += 1
-        return out / self.k
+        out = out.div_(self.k)
+        self._sync()
+        self.product_seconds += time.perf_counter() - t0
+        return out
 
     # -- scipy LinearOperator interface ----------------------------------------
     def _matvec(self, x):
