@@ -31,7 +31,7 @@ import torch
 
 from ._checks import check_square
 from .conventions import FisherkronError
-from .operators import GradientStack, RearrangedFisher, matvec_flops
+from .operators import GradientStack, RearrangedFisher, _single_thread, matvec_flops
 
 __all__ = ["MFFResult", "mff", "kronecker_terms"]
 
@@ -89,7 +89,7 @@ class MFFResult:
 
 
 def _sym(X: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (X + X.T)
+    return torch.add(X, X.T).mul_(0.5)
 
 
 def _start_matrix(init, n: int, device, dtype) -> torch.Tensor:
@@ -142,26 +142,34 @@ class _GolubKahan:
                 wf.add_(q.view(-1), alpha=-float(torch.dot(q.view(-1), wf)))
         return w
 
+    def _extend(self, w: torch.Tensor, basis: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
+        """Symmetrise, re-orthogonalise and normalise a new Krylov vector (float64).
+
+        These are memory-bound vector operations; on the CPU they run on one
+        thread, which is as fast on an idle machine and avoids OpenMP barrier
+        stalls when the cores are shared.
+        """
+        with _single_thread(w.device):
+            if self.symmetric:
+                w = _sym(w)
+            w = self._orth(w, basis)
+            nrm = float(w.norm())
+            if nrm > 0:
+                w.div_(nrm)
+        return w, nrm
+
     def step(self) -> None:
         """One product: a matvec if ``len(U) < len(V)``, else an rmatvec."""
         if len(self.U) < len(self.V):
-            w = self.op.apply(self.V[-1])  # (m, m)
-            if self.symmetric:
-                w = _sym(w)
-            w = self._orth(w, self.U)
-            a = float(w.norm())
+            w, a = self._extend(self.op.apply(self.V[-1]), self.U)  # (m, m)
             self.alpha.append(a)
-            self.U.append(w / a if a > 0 else w)
+            self.U.append(w)
         else:
-            w = self.op.apply_adjoint(self.U[-1])  # (n, n)
-            if self.symmetric:
-                w = _sym(w)
-            w = self._orth(w, self.V)
-            b = float(w.norm())
+            w, b = self._extend(self.op.apply_adjoint(self.U[-1]), self.V)  # (n, n)
             self.beta.append(b)
             if b <= 1e-14 * max(self.alpha):  # invariant subspace found: Ritz values are exact
                 self.breakdown = True
-            self.V.append(w / b if b > 0 else w)
+            self.V.append(w)
 
     def projected(self) -> torch.Tensor:
         """``U^T R V`` (``j x j`` or ``j x (j+1)``), float64 on the CPU."""
@@ -190,8 +198,14 @@ class _GolubKahan:
         return s, X, Y, res
 
     def matrices(self, X: torch.Tensor, Y: torch.Tensor, i: int):
-        a = sum(float(X[j, i]) * u for j, u in enumerate(self.U))
-        b = sum(float(Y[j, i]) * v for j, v in enumerate(self.V[:Y.shape[0]]))
+        """Ritz matrices ``sum_j X[j, i] U_j`` (``m x m``) and ``sum_j Y[j, i] V_j`` (``n x n``)."""
+        with _single_thread(self.U[0].device):
+            a = torch.zeros_like(self.U[0])
+            for j, u in enumerate(self.U):
+                a.add_(u, alpha=float(X[j, i]))
+            b = torch.zeros_like(self.V[0])
+            for j, v in enumerate(self.V[:Y.shape[0]]):
+                b.add_(v, alpha=float(Y[j, i]))
         return a, b
 
 
