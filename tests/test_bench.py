@@ -1,0 +1,120 @@
+"""The benchmark's pieces: the authors'-approach reimplementation, the synthetic generator, the error metric.
+
+No timings are asserted here (timings are what `make bench` reports).
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fisherkron as fk
+from fisherkron.bench import (ar1_cholesky, authors_mff, kron_rel_error, main, synthetic_gradients)
+from fisherkron.testing import dense_fisher, dense_rearrangement
+
+#: the authors' float32 svds and our float32 MFF both within this of the dense float64 answer.
+AGREE_REL = 1e-4
+#: float64 identities (Cholesky formula, error metric against a dense Kronecker product).
+EXACT = dict(rtol=1e-10, atol=1e-12)
+
+
+def _dense_kron_error(A, B, Ar, Br):
+    K, Kr = torch.kron(A, B), torch.kron(Ar, Br)
+    return float((K - Kr).norm() / Kr.norm())
+
+
+def _dense_factors(G):
+    """Best A (x) B from the dense SVD of R(F) (float64)."""
+    k, n, m = G.shape
+    U, S, Vh = torch.linalg.svd(dense_rearrangement(dense_fisher(G.double()), n, m))
+    A = math.sqrt(S[0]) * fk.unvec(U[:, 0], m, m)
+    B = math.sqrt(S[0]) * fk.unvec(Vh[0], n, n)
+    return A, B
+
+
+@pytest.mark.parametrize("n,m,k", [(7, 5, 6), (5, 9, 12)])
+def test_authors_approach_and_mff_agree_with_dense(n, m, k):
+    G = synthetic_gradients(n, m, k, tokens=16, seed=1).G  # (k, n, m) float32
+    A, B = _dense_factors(G)
+    ours = fk.mff(G, tol=1e-7, compute_norm=False)
+    theirs = authors_mff(G)
+    assert theirs.status == "measured" and theirs.matvecs > 0
+    assert kron_rel_error(ours.A, ours.B, A, B) < AGREE_REL
+    assert kron_rel_error(torch.from_numpy(theirs.A), torch.from_numpy(theirs.B), A, B) < AGREE_REL
+    assert abs(theirs.sigma - float(ours.sigma[0])) / float(ours.sigma[0]) < AGREE_REL
+
+
+def test_authors_time_limit_stops_the_solver():
+    G = synthetic_gradients(20, 12, 4, tokens=8).G
+    res = authors_mff(G, time_limit=0.0)
+    assert res.status == "stopped" and res.A is None and res.matvecs == 1
+
+
+def test_kron_rel_error_matches_dense_and_ignores_the_scale_split():
+    g = torch.Generator().manual_seed(0)
+    A, Ar = torch.randn(4, 4, generator=g, dtype=torch.float64), torch.randn(4, 4, generator=g, dtype=torch.float64)
+    B, Br = torch.randn(3, 3, generator=g, dtype=torch.float64), torch.randn(3, 3, generator=g, dtype=torch.float64)
+    A, Ar, B, Br = A @ A.T, Ar @ Ar.T, B @ B.T, Br @ Br.T  # PSD: positive traces, as MFF returns
+    assert kron_rel_error(A, B, Ar, Br) == pytest.approx(_dense_kron_error(A, B, Ar, Br), rel=1e-10)
+    assert kron_rel_error(3 * A, B / 3, A, B) == pytest.approx(0, abs=1e-15)  # same A (x) B
+    small = Ar + 1e-9 * A  # tiny perturbations are resolved (no cancellation)
+    assert kron_rel_error(small, Br, Ar, Br) == pytest.approx(_dense_kron_error(small, Br, Ar, Br), rel=1e-4)
+    assert kron_rel_error(2 * A, B, A, B) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_ar1_cholesky_closed_form():
+    d, rho = 9, 0.8
+    s = torch.linspace(1, 0.2, d, dtype=torch.float64)
+    L = ar1_cholesky(d, rho, s, dtype=torch.float64)
+    i = torch.arange(d, dtype=torch.float64)
+    T = rho ** (i[:, None] - i[None, :]).abs()
+    torch.testing.assert_close(L @ L.T, s[:, None] * T * s[None, :], **EXACT)
+    assert torch.equal(L, torch.tril(L))
+
+
+def test_synthetic_gradients_have_the_claimed_structure():
+    n, m, k, T = 12, 8, 6, 4000
+    syn = synthetic_gradients(n, m, k, tokens=T, rho=0.9, coupling=0.5, seed=3, dtype=torch.float64)
+    # G_i = sum_t delta_t x_t^T
+    torch.testing.assert_close(syn.G[2], sum(torch.outer(syn.delta[2, t], syn.x[2, t]) for t in range(T)),
+                               rtol=1e-10, atol=1e-9)
+    # inputs: AR(1) correlation rho between neighbours, scales j^(-1/2)
+    X = syn.x.reshape(-1, m)
+    cov = X.T @ X / X.shape[0]
+    s = torch.arange(1, m + 1, dtype=torch.float64) ** -0.5
+    i = torch.arange(m, dtype=torch.float64)
+    target = s[:, None] * 0.9 ** (i[:, None] - i[None, :]).abs() * s[None, :]
+    assert float((cov - target).norm() / target.norm()) < 0.05  # sampling error of 24,000 tokens
+    # output gradients are correlated with the inputs (coupling), and not without it
+    D = syn.delta.reshape(-1, n)
+    cross = float((D.T @ X / X.shape[0]).norm())
+    syn0 = synthetic_gradients(n, m, k, tokens=T, coupling=0.0, seed=3, dtype=torch.float64)
+    cross0 = float((syn0.delta.reshape(-1, n).T @ syn0.x.reshape(-1, m) / X.shape[0]).norm())
+    assert cross > 10 * cross0
+
+
+def test_synthetic_fisher_is_more_kronecker_than_unstructured_gradients():
+    n, m, k = 10, 6, 40
+    syn = synthetic_gradients(n, m, k, tokens=64, seed=0, dtype=torch.float64)
+    iid = torch.randn(k, n, m, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    share = fk.mff(syn.G, dtype=torch.float64).fisher_share
+    share_iid = fk.mff(iid, dtype=torch.float64).fisher_share
+    assert share > 2 * share_iid
+
+
+def test_kfac_warm_start_of_the_synthetic_layer_is_usable():
+    syn = synthetic_gradients(16, 10, 8, tokens=32, seed=2)
+    res = fk.mff(syn.G, init=syn.kfac(), tol=1e-6, compute_norm=False)
+    ref = fk.mff(syn.G, dtype=torch.float64, tol=1e-12, compute_norm=False)
+    assert res.converged and kron_rel_error(res.A, res.B, ref.A, ref.B) < AGREE_REL
+
+
+def test_cli_quick_writes_csv_and_markdown(tmp_path, capsys):
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    import pandas as pd
+
+    df = pd.read_csv(tmp_path / "bench_mff.csv")
+    assert len(df) == 2 and {"ours_s", "authors_s", "speedup", "ours_err", "ours_matvecs"} <= set(df.columns)
+    assert (df["ours_err"] < AGREE_REL).all() and (df["authors_err"] < AGREE_REL).all()
+    assert (tmp_path / "bench_mff.md").read_text().startswith("| case")
+    assert "GEMM peak" in capsys.readouterr().out
