@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--authors-limit", type=float, default=420.0,
                    help="seconds after which the authors' svds is stopped and its time extrapolated")
     p.add_argument("--no-authors", action="store_true", help="skip the authors' approach")
+    p.add_argument("--authors-on-cuda", action="store_true",
+                   help="with --device cuda, still run the authors' (CPU, numpy) approach (skipped by default)")
     p.add_argument("--no-reference", action="store_true", help="skip the float64 reference (no error column)")
     p.add_argument("--minilm-layer", default="bert.encoder.layer.3.attention.output.dense",
                    help="real MiniLM layer for the head-to-head row ('none' to skip)")
@@ -392,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FisherkronError("--device cuda was asked for but torch sees no CUDA device")
+    if device.type == "cuda" and not a.authors_on_cuda:
+        a.no_authors = True  # numpy/ARPACK on the host: one product of an 11008 x 4096 layer takes many minutes
     started = time.perf_counter()
     print(f"# fisherkron MFF benchmark on {device} ({torch.get_num_threads()} CPU threads, torch {torch.__version__})",
           flush=True)

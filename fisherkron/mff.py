@@ -161,11 +161,11 @@ class _GolubKahan:
     def step(self) -> None:
         """One product: a matvec if ``len(U) < len(V)``, else an rmatvec."""
         if len(self.U) < len(self.V):
-            w, a = self._extend(self.op.apply(self.V[-1]), self.U)  # (m, m)
+            w, a = self._extend(self.op.apply(self.V[-1], self.symmetric), self.U)  # (m, m)
             self.alpha.append(a)
             self.U.append(w)
         else:
-            w, b = self._extend(self.op.apply_adjoint(self.U[-1]), self.V)  # (n, n)
+            w, b = self._extend(self.op.apply_adjoint(self.U[-1], self.symmetric), self.V)  # (n, n)
             self.beta.append(b)
             if b <= 1e-14 * max(self.alpha):  # invariant subspace found: Ritz values are exact
                 self.breakdown = True
