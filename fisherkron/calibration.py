@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -281,7 +282,8 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         progress: show a tqdm bar over batches.
 
     Returns:
-        :class:`CalibrationStats` backed by files (a temporary folder if ``cache=False``).
+        :class:`CalibrationStats` backed by files (with ``cache=False`` a private folder
+        under the cache root, deleted when the object is garbage-collected).
     """
     if stats is None and methods is not None:
         methods = [methods] if isinstance(methods, str) else list(methods)
@@ -321,6 +323,7 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
             shutil.rmtree(final)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:8]}-", dir=root))
+    ok = False
     try:
         tokens = _collect(model, batches, names, modules, shapes, stats, loss_fn or _default_loss,
                           tmp, progress)
@@ -328,12 +331,16 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         layer_info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n]} for n in names}
         man = {"key": key, "config": config, "k": k, "layers": layer_info, "files": files}
         (tmp / "manifest.json").write_text(json.dumps(man, indent=1))
-        if not cache:
-            return CalibrationStats(tmp, layer_info, k, key, config, stats, from_cache=False)
+        if not cache:  # a private folder, removed when the returned object is garbage-collected
+            out = CalibrationStats(tmp, layer_info, k, key, config, stats, from_cache=False)
+            weakref.finalize(out, shutil.rmtree, str(tmp), True)
+            ok = True
+            return out
         os.chmod(tmp, 0o755)
         tmp.rename(final)
+        ok = True
     finally:
-        if cache and tmp.exists():
+        if (cache or not ok) and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return CalibrationStats(final, layer_info, k, key, config, stats, from_cache=False)
 

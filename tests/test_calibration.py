@@ -164,3 +164,14 @@ def test_nan_gradient_names_layer_and_batch_and_caches_nothing(tmp_path):
     assert "\n" not in msg and "batch 1" in msg and "NaN" in msg
     assert "model.layers.0.mlp.down_proj" in msg  # NaN flows back to the earlier layer too
     assert not [p for p in tmp_path.iterdir()]  # no cache entry, no temporary leftovers
+
+
+def test_uncached_statistics_clean_up_after_themselves(tmp_path):
+    import gc
+    st = collect_calibration(tiny_llama(), lm_batches(), "model.layers.0.mlp.up_proj", cache=False,
+                             cache_dir=tmp_path)
+    folder = st.dir
+    assert folder.exists() and st.grads("model.layers.0.mlp.up_proj").shape == (3, 40, 24)
+    del st
+    gc.collect()
+    assert not folder.exists()
