@@ -54,6 +54,8 @@ class MFFResult:
         seconds: wall time of the factorisation (setup and products, not ``||F||``);
             ``flops`` the flops of the products.
         product_seconds: wall time spent inside the products (GEMMs and gradient reads).
+        executed_flops: flops the GEMMs did; below ``flops`` (the nominal ``2 k n m (n + m)``
+            per product) when symmetric products skip the upper block triangle.
         terms_A, terms_B: all Kronecker terms (``F ~= sum_j A_j (x) B_j``) when ``terms > 1``.
     """
 
@@ -69,6 +71,7 @@ class MFFResult:
     flops: int
     history: list[float] = field(default_factory=list)
     product_seconds: float = float("nan")
+    executed_flops: int = 0
     terms_A: list[torch.Tensor] = field(default_factory=list)
     terms_B: list[torch.Tensor] = field(default_factory=list)
 
@@ -84,8 +87,13 @@ class MFFResult:
 
     @property
     def matvec_gflops(self) -> float:
-        """Achieved GFLOP/s while doing the products (``flops / product_seconds``)."""
+        """Effective GFLOP/s of the products: nominal ``flops / product_seconds``."""
         return self.flops / max(self.product_seconds, 1e-12) / 1e9
+
+    @property
+    def executed_gflops(self) -> float:
+        """GFLOP/s the GEMMs actually ran at: ``executed_flops / product_seconds``."""
+        return self.executed_flops / max(self.product_seconds, 1e-12) / 1e9
 
 
 def _sym(X: torch.Tensor) -> torch.Tensor:
@@ -336,7 +344,7 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
     return MFFResult(A=terms_A[0], B=terms_B[0], sigma=s.clone(), fisher_norm_sq=fnorm,
                      matvecs=op.num_matvecs, converged=converged, rel_change=change,
                      residual=res_bound, seconds=seconds, flops=flops,
-                     history=history, product_seconds=op.product_seconds, terms_A=terms_A if terms > 1 else [], terms_B=terms_B if terms > 1 else [])
+                     history=history, product_seconds=op.product_seconds, executed_flops=op.executed_flops, terms_A=terms_A if terms > 1 else [], terms_B=terms_B if terms > 1 else [])
 
 
 def kronecker_terms(grads, r: int, **kwargs) -> MFFResult:

@@ -91,6 +91,12 @@ def _sym_gemm_nt(L: torch.Tensor, R: torch.Tensor, symmetric: bool) -> torch.Ten
     return out
 
 
+def _sym_gemm_fraction(N: int, symmetric: bool) -> float:
+    """Share of the flops of an ``N x N`` output GEMM that :func:`_sym_gemm_nt` executes."""
+    nb = min(8, N // SYM_BLOCK)
+    return (nb + 1) / (2 * nb) if symmetric and nb >= 2 else 1.0
+
+
 def matvec_flops(n: int, m: int, k: int) -> int:
     """Flops of one application of ``R(F)`` or ``R(F)^T``: ``2 k n m (n + m)``."""
     return 2 * k * n * m * (n + m)
@@ -349,6 +355,7 @@ class RearrangedFisher(spla.LinearOperator):
         self.n, self.m, self.k = grads.n, grads.m, grads.k
         self.num_matvecs = 0
         self.product_seconds = 0.0  # wall time inside apply/apply_adjoint (device synchronised)
+        self.executed_flops = 0  # flops the GEMMs actually did (fewer than nominal for symmetric inputs)
         np_dtype = np.float64 if grads.dtype == torch.float64 else np.float32
         super().__init__(dtype=np_dtype, shape=(self.m ** 2, self.n ** 2))
 
@@ -377,6 +384,7 @@ class RearrangedFisher(spla.LinearOperator):
             with _single_thread(dev):
                 out = part.double() if out is None else out.add_(part)
         self.num_matvecs += 1
+        self.executed_flops += int(2 * self.k * n * m * (n + m * _sym_gemm_fraction(m, symmetric)))
         with _single_thread(dev):
             out = out.div_(self.k)
         self._sync()
@@ -402,6 +410,7 @@ class RearrangedFisher(spla.LinearOperator):
             with _single_thread(dev):
                 out = part.double() if out is None else out.add_(part)
         self.num_matvecs += 1
+        self.executed_flops += int(2 * self.k * n * m * (m + n * _sym_gemm_fraction(n, symmetric)))
         with _single_thread(dev):
             out = out.div_(self.k)
         self._sync()
