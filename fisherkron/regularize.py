@@ -9,6 +9,14 @@ Two rules, with ``alpha`` raised (x10 per try) from 0 until ``cholesky`` succeed
   ``alpha`` in ``[0, 1]``.
 
 The ``alpha`` used is returned, never hidden.
+
+Factors from MFF are positive semidefinite in exact arithmetic, but round-off
+leaves eigenvalues of about ``-1e-8 lambda_max``. Under the ``"diag"`` rule
+those sit on nearly dead units whose diagonal is tiny, so only a large
+``alpha`` would lift them. When the plain Cholesky fails and the negative
+eigenvalues are that small (``|lambda_min| <= psd_tol * lambda_max``), they are
+first clipped to zero (one symmetric eigendecomposition); genuinely indefinite
+factors are left as they are. The clipped amount is reported too.
 """
 from __future__ import annotations
 
@@ -23,12 +31,27 @@ __all__ = ["Regularized", "regularize", "cholesky"]
 
 
 class Regularized(NamedTuple):
-    """A regularised factor ``matrix = L L^T`` and the ``alpha`` it needed."""
+    """A regularised factor ``matrix = L L^T``, the ``alpha`` it needed and the round-off clipped.
+
+    ``clipped`` is ``|lambda_min| / lambda_max`` of the negative eigenvalues set to zero first (0 if none).
+    """
 
     matrix: torch.Tensor
     L: torch.Tensor
     alpha: float
     method: str
+    clipped: float = 0.0
+
+
+def _clip_roundoff(M: torch.Tensor, psd_tol: float) -> tuple[torch.Tensor, float]:
+    """Set round-off negative eigenvalues (``>= -psd_tol lambda_max``) of a symmetric ``M`` to zero."""
+    lam, Q = torch.linalg.eigh(M)
+    top = float(lam.max())
+    if top <= 0 or float(lam.min()) >= 0 or -float(lam.min()) > psd_tol * top:
+        return M, 0.0
+    clipped = -float(lam.min()) / top
+    Mc = (Q * lam.clamp(min=0)[None, :]) @ Q.T
+    return 0.5 * (Mc + Mc.T), clipped
 
 
 def cholesky(M: torch.Tensor) -> torch.Tensor | None:
@@ -39,15 +62,23 @@ def cholesky(M: torch.Tensor) -> torch.Tensor | None:
     return L
 
 
-def regularize(factor, alpha: float | None = None, method: str = "diag", *, alpha0: float = 1e-8,
-               growth: float = 10.0, floor: float = 1e-6, name: str = "factor") -> Regularized:
+def regularize(factor, alpha: float | None = None, method: str = "diag", *, min_alpha: float = 0.0,
+               alpha0: float = 1e-8, growth: float = 10.0, floor: float = 1e-6, psd_tol: float = 1e-6,
+               name: str = "factor") -> Regularized:
     """Make a Kronecker factor positive definite; return it, its Cholesky factor and ``alpha``.
 
     Args:
         factor: symmetric ``d x d`` matrix (``A`` or ``B``); symmetrised first.
         alpha: a fixed ``alpha`` to use (raises if it does not give a Cholesky factor);
             default: search ``0, alpha0, alpha0 * growth, ...``.
+        min_alpha: start the search here instead of at 0. The smallest ``alpha`` that
+            admits a Cholesky factor can leave directions the calibration data never
+            excited almost unconstrained, and ``L^{-1}`` then amplifies them. Measured on
+            MiniLM layer 0 with k=4 gradients at rank 64: relative Frobenius error 1.46 at
+            ``alpha=1e-8`` against 0.78 at ``alpha=0.1``. Model-level compression sets a floor.
         method: ``"diag"`` (``A + alpha diag(A)``) or ``"shrink"`` (``(1-alpha) A + alpha mean(diag A) I``).
+        psd_tol: negative eigenvalues down to ``-psd_tol * lambda_max`` count as round-off and are
+            clipped before the search (only when the plain Cholesky fails); 0 disables this.
 
     Example:
         >>> r = regularize(torch.tensor([[1.0, 1.0], [1.0, 1.0]], dtype=torch.float64))  # singular
@@ -60,10 +91,13 @@ def regularize(factor, alpha: float | None = None, method: str = "diag", *, alph
     check_square(M, name)
     check_finite(M, name)
     M = 0.5 * (M + M.T)
-    d = torch.diagonal(M)
-    scale = float(d.abs().mean()) if d.numel() else 0.0
-    if scale == 0.0:
+    if float(torch.diagonal(M).abs().mean()) == 0.0:
         raise FisherkronError(f"{name} is zero on its diagonal; it carries no curvature (dead layer or no data?)")
+    clipped = 0.0
+    if psd_tol > 0 and cholesky(M) is None:
+        M, clipped = _clip_roundoff(M, psd_tol)
+    d = torch.diagonal(M)
+    scale = float(d.abs().mean())
 
     if method == "diag":
         dfl = torch.clamp(d, min=floor * scale)
@@ -84,14 +118,16 @@ def regularize(factor, alpha: float | None = None, method: str = "diag", *, alph
         if L is None:
             raise FisherkronError(f"{name}: alpha={alpha} ({method}) does not make it positive definite; "
                                   f"pass alpha=None to search")
-        return Regularized(Ma, L, float(alpha), method)
+        return Regularized(Ma, L, float(alpha), method, clipped)
 
-    a = 0.0
+    if min_alpha < 0:
+        raise FisherkronError(f"min_alpha must be >= 0, got {min_alpha}")
+    a = float(min_alpha)
     while True:
         Ma = make(a)
         L = cholesky(Ma)
         if L is not None:
-            return Regularized(Ma, L, a, method)
+            return Regularized(Ma, L, a, method, clipped)
         if a >= ceiling:
             raise FisherkronError(f"{name}: no alpha up to {ceiling:g} gives a Cholesky factor ({method}); "
                                   f"try method='shrink'")

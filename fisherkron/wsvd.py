@@ -136,33 +136,33 @@ def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = to
     return W2.to(out_dtype), W1.to(out_dtype)
 
 
-def _chol(F, size: int, name: str, alpha, method: str) -> torch.Tensor:
+def _chol(F, size: int, name: str, alpha, method: str, min_alpha: float = 0.0) -> torch.Tensor:
     if isinstance(F, Regularized):
         check_square(F.L, name, size)
         return F.L
     F = as_tensor(F, name)
     check_square(F, name, size)
-    reg = regularize(F, alpha=alpha, method=method, name=name)
+    reg = regularize(F, alpha=alpha, method=method, min_alpha=min_alpha, name=name)
     if reg.alpha > 0:
         log.info("%s needed alpha=%.3g (%s) for a Cholesky factor", name, reg.alpha, method)
     return reg.L
 
 
 def gfwsvd(W, A, B, rank: int, *, alpha: float | None = None, method: str = "diag",
-           name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+           min_alpha: float = 0.0, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     r"""GFWSVD (Theorem 1): rank-``r`` ``W ~= W2 W1`` optimal for ``F ~= A (x) B``.
 
     ``W~ = L_B^T W L_A``, ``U S V^T = SVD_r(W~)``, ``W1 = S^1/2 V^T L_A^{-1}``,
     ``W2 = L_B^{-T} U S^1/2`` with ``A = L_A L_A^T`` (``m x m``, input side) and
     ``B = L_B L_B^T`` (``n x n``, output side). Factors that are not positive
     definite are regularised by :func:`fisherkron.regularize` (``alpha``
-    searched unless given); pass :class:`Regularized` objects to control it.
+    searched from ``min_alpha`` unless given); pass :class:`Regularized` objects to control it.
     """
     W = as_tensor(W, name)
     check_matrix(W, name)
     n, m = W.shape
-    LA = _chol(A, m, f"{name}: A (input side, m x m)", alpha, method)
-    LB = _chol(B, n, f"{name}: B (output side, n x n)", alpha, method)
+    LA = _chol(A, m, f"{name}: A (input side, m x m)", alpha, method, min_alpha)
+    LB = _chol(B, n, f"{name}: B (output side, n x n)", alpha, method, min_alpha)
     return weighted_svd(W, rank, left=LB, right=LA, name=name)
 
 

@@ -107,3 +107,36 @@ def test_lowrank_linear_forward_and_counts():
         fk.rank_for_ratio(7, 5, 1.0)
     with pytest.raises(fk.FisherkronError, match="rank 6"):
         fk.LowRankLinear(5, 7, 6)
+
+
+def test_roundoff_negative_eigenvalues_do_not_force_a_large_alpha():
+    """PSD up to round-off, with nearly dead units: the paper's rule then needs only a tiny alpha.
+
+    Live units carry a rank-12 block; ten dead units carry a tiny diagonal plus symmetric
+    round-off-sized noise (~1e-8 lambda_max), as MFF factors computed in float32 do.
+    """
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(30, 12, generator=g, dtype=torch.float64)
+    E = 1e-7 * torch.randn(10, 10, generator=g, dtype=torch.float64)
+    M = torch.block_diag(X @ X.T, 1e-9 * torch.eye(10, dtype=torch.float64) + E + E.T)
+    lam = torch.linalg.eigvalsh(M)
+    assert -1e-6 * lam.max() < lam.min() < 0
+    reg = fk.regularize(M)
+    assert 0 < reg.clipped <= 1e-6 and reg.alpha <= 1e-6
+    torch.testing.assert_close(reg.L @ reg.L.T, reg.matrix, **FLOAT64)
+    assert float((reg.matrix - M).norm() / M.norm()) < 1e-6  # the factor is barely changed
+    unclipped = fk.regularize(M, psd_tol=0)
+    assert unclipped.clipped == 0 and unclipped.alpha >= 1e-2  # what the plain rule would have needed
+    # a genuinely indefinite factor is not "clipped"
+    assert fk.regularize(M - 0.01 * torch.eye(40, dtype=torch.float64)).clipped == 0
+
+
+def test_min_alpha_floor():
+    M = torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    reg = fk.regularize(M, min_alpha=0.1)
+    assert reg.alpha == 0.1
+    torch.testing.assert_close(reg.matrix, M + 0.1 * torch.diag(torch.diagonal(M)), **FLOAT64)
+    X = torch.randn(5, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert fk.regularize(X @ X.T, min_alpha=1e-3).alpha >= 1e-3
+    with pytest.raises(fk.FisherkronError, match="min_alpha"):
+        fk.regularize(M, min_alpha=-1.0)
