@@ -145,3 +145,15 @@ def test_bad_arguments():
         fk.mff(G, init=torch.eye(3))
     with pytest.raises(fk.FisherkronError, match="batch 1"):
         fk.mff(torch.stack([torch.randn(4, 2), torch.full((4, 2), float("inf"))]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("budget", [None, 7 * 4 * 8 * 3])
+def test_inputs_are_never_modified(dtype, budget):
+    for src_dtype in (torch.float32, torch.float64):
+        G = torch.randn(5, 7, 4, generator=torch.Generator().manual_seed(0), dtype=src_dtype)
+        G0 = G.clone()
+        fk.mff(G, dtype=dtype, memory_budget=budget)
+        fk.mff(G.numpy(), dtype=dtype, memory_budget=budget)
+        fk.mff(list(G), dtype=dtype, memory_budget=budget)
+        assert torch.equal(G, G0)
