@@ -184,7 +184,8 @@ def _ablate(F: torch.Tensor, part: str) -> tuple[torch.Tensor, float]:
 
 def compress(model: nn.Module, method: str, stats: CalibrationStats | None = None, layers=None, *,
              rank: int | None = None, ranks: dict[str, int] | None = None, ratio: float | None = None,
-             regularization: str = "diag", alpha: float | None = None, asvd_alpha: float = 0.5,
+             regularization: str = "diag", alpha: float | None = None, min_alpha: float = 0.0,
+             asvd_alpha: float = 0.5,
              mff_options: dict | None = None, skip_unprofitable: bool = True,
              progress: bool = False) -> CompressionReport:
     r"""Replace the selected ``nn.Linear`` layers of ``model`` in place by ``LowRankLinear``.
@@ -203,6 +204,7 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             or a target whole-model compression ratio.
         regularization: ``"diag"`` (``A + alpha diag A``, the paper) or ``"shrink"``.
         alpha: fixed regularisation strength (default: the smallest that works).
+        min_alpha: where the search for ``alpha`` starts (see :func:`fisherkron.regularize`).
         asvd_alpha: ASVD's exponent.
         mff_options: keyword arguments of :func:`fisherkron.mff` (``tol``, ``max_matvecs``, ...).
         skip_unprofitable: keep a layer dense when ``r (n + m) >= n m`` (no saving).
@@ -260,7 +262,8 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         elif method == "asvd":
             W2, W1 = asvd(W, stats.input_abs_mean(name), r, alpha=asvd_alpha, name=name)
         elif method == "svd_llm":
-            reg = regularize(stats.xxt(name), alpha=alpha, method=regularization, name=f"{name}: X X^T")
+            reg = regularize(stats.xxt(name), alpha=alpha, method=regularization, min_alpha=min_alpha,
+                             name=f"{name}: X X^T")
             lr.alpha_A = reg.alpha
             W2, W1 = svd_llm(W, reg, r, name=name)
         else:
@@ -272,8 +275,9 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             if method != "gfwsvd":
                 part = "diag" if method == "gfwsvd_diag" else "offdiag"
                 (A, shift), (B, _) = _ablate(A, part), _ablate(B, part)
-            regA = regularize(A, alpha=alpha, method=regularization, name=f"{name}: A (input side, m x m)")
-            regB = regularize(B, alpha=alpha, method=regularization, name=f"{name}: B (output side, n x n)")
+            reg = dict(alpha=alpha, method=regularization, min_alpha=min_alpha)
+            regA = regularize(A, name=f"{name}: A (input side, m x m)", **reg)
+            regB = regularize(B, name=f"{name}: B (output side, n x n)", **reg)
             lr.alpha_A, lr.alpha_B = shift + regA.alpha, shift + regB.alpha
             W2, W1 = gfwsvd(W, regA, regB, r, name=name)
         new[name] = LowRankLinear.from_factors(W2.to(W.dtype), W1.to(W.dtype),
