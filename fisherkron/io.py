@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,6 +29,26 @@ __all__ = ["save_compressed", "load_compressed", "MANIFEST"]
 
 MANIFEST = "fisherkron.json"
 FORMAT = "fisherkron-lowrank/1"
+
+
+@contextmanager
+def atomic_directory(out: Path, prefix: str | None = None):
+    """Yield a temporary folder beside ``out``; on success it replaces ``out`` in one rename.
+
+    An error (or an interruption) leaves ``out`` as it was and removes the temporary folder.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix or f".{out.name}-", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -54,20 +75,11 @@ def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
             "method": getattr(report, "method", None), "layers": layers,
             "report": report.to_dict() if hasattr(report, "to_dict") else report,
             "provenance": {"saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(provenance or {})}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / MANIFEST).write_text(json.dumps(meta, indent=1, default=str))
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 from .conventions import FisherkronError
+from .io import atomic_directory
 from .models import data_root, package_dir, set_offline_env
 
 __all__ = ["LOCAL_TASKS", "ZERO_SHOT_TASKS", "write_tasks", "task_dir"]
@@ -117,21 +115,12 @@ def write_tasks(out: Path | None = None, force: bool = False) -> Path:
     out = Path(out) if out is not None else task_dir()
     if (out / "DONE").exists() and not force:
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tasks-", dir=out.parent))
-    try:
+    with atomic_directory(out, prefix=".tasks-") as tmp:
         _generate(tmp)
         # the YAMLs point at files in `tmp`; rewrite them to the final folder before moving
         for y in tmp.rglob("*.yaml"):
             y.write_text(y.read_text().replace(str(tmp.resolve()), str(out.resolve())))
         (tmp / "DONE").write_text(VERSION)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

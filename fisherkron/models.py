@@ -23,14 +23,13 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .conventions import FisherkronError
+from .io import atomic_directory
 
 __all__ = [
     "EMBEDDED_MODELS",
@@ -174,18 +173,9 @@ def smollm2_folder(progress: bool = False) -> Path:
         raise FisherkronError(f"GGUF conversion of SmolLM2 left {len(bad)} unmatched weights, "
                               f"e.g. {bad[0]}; check the transformers/gguf versions")
     plain.tie_weights()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
-    os.chmod(tmp, 0o755)
-    try:
+    with atomic_directory(out, prefix=".smollm2-") as tmp:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
