@@ -184,7 +184,7 @@ def _ablate(F: torch.Tensor, part: str) -> tuple[torch.Tensor, float]:
 
 def compress(model: nn.Module, method: str, stats: CalibrationStats | None = None, layers=None, *,
              rank: int | None = None, ranks: dict[str, int] | None = None, ratio: float | None = None,
-             regularization: str = "diag", alpha: float | None = None, min_alpha: float = 0.0,
+             regularization: str = "diag", alpha: float | None = None, min_alpha: float = 1e-3,
              asvd_alpha: float = 0.5,
              mff_options: dict | None = None, skip_unprofitable: bool = True,
              progress: bool = False) -> CompressionReport:
@@ -205,6 +205,10 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         regularization: ``"diag"`` (``A + alpha diag A``, the paper) or ``"shrink"``.
         alpha: fixed regularisation strength (default: the smallest that works).
         min_alpha: where the search for ``alpha`` starts (see :func:`fisherkron.regularize`).
+            Default 1e-3, measured on SmolLM2 (MLP layers of blocks 10-19, rank 256, k=4
+            C4 batches, PTB perplexity 56.8 uncompressed): 392 with the smallest alpha
+            that admits Cholesky (1e-8), 188 / 191 / 201 / 211 / 216 with floors
+            1e-4 / 1e-3 / 1e-2 / 0.1 / 1; plain SVD 2205 (scripts/alpha_floor.py).
         asvd_alpha: ASVD's exponent.
         mff_options: keyword arguments of :func:`fisherkron.mff` (``tol``, ``max_matvecs``, ...).
         skip_unprofitable: keep a layer dense when ``r (n + m) >= n m`` (no saving).

@@ -34,7 +34,7 @@ def _run(args) -> int:
         stats = api.collect_calibration(model, batches, args.layers, k=args.k, seed=args.seed,
                                         methods=(args.method,), progress=True)
     report = api.compress(model, args.method, stats, args.layers, rank=args.rank, ratio=args.ratio,
-                          progress=True)
+                          min_alpha=args.min_alpha, progress=True)
     tqdm.write(str(report))
     out = api.save_compressed(model, args.out, report=report, tokenizer=tok)
     summary = {"out": str(out), "method": args.method, "ratio": report.ratio,
@@ -55,6 +55,8 @@ def add_compress_command(sub) -> None:
     group = c.add_mutually_exclusive_group(required=True)
     group.add_argument("--ratio", type=float, help="target whole-model compression ratio (1 - after/before)")
     group.add_argument("--rank", type=int, help="one rank for every selected layer")
+    c.add_argument("--min-alpha", type=float, default=1e-3,
+                   help="floor of the regularisation alpha of the Kronecker factors (see fisherkron.regularize)")
     c.add_argument("--layers", default=None, help="regex/glob of nn.Linear names (default: the paper's layers)")
     c.add_argument("--data", default="c4", choices=CALIBRATION, help="calibration data (c4 for causal LMs)")
     c.add_argument("--k", type=int, default=16, help="calibration batches (one gradient per batch)")
