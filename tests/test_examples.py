@@ -1,0 +1,16 @@
+"""The README's one-layer example runs and shows what the README says: GFWSVD has the smallest Fisher-weighted error."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_compress_one_linear_example():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "compress_one_linear.py")],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    errors = {m[0]: float(m[1]) for m in re.findall(r"^(\w+)\s+Fisher-weighted error ([0-9.e+-]+)$", out, re.M)}
+    assert set(errors) == {"svd", "fwsvd", "asvd", "svd_llm", "gfwsvd"}
+    assert min(errors, key=errors.get) == "gfwsvd"
+    assert "MFF:" in out
