@@ -100,7 +100,7 @@ def _sym(X: torch.Tensor) -> torch.Tensor:
     return torch.add(X, X.T).mul_(0.5)
 
 
-def _start_matrix(init, n: int, device, dtype) -> torch.Tensor:
+def _start_matrix(init, n: int, device) -> torch.Tensor:
     """The Lanczos start ``Z_0`` (``n x n``, output side) from ``init``, in float64.
 
     The Lanczos bookkeeping (bases, norms, inner products) is always float64,
@@ -112,9 +112,7 @@ def _start_matrix(init, n: int, device, dtype) -> torch.Tensor:
         return torch.eye(n, device=device, dtype=torch.float64)
     if isinstance(init, (tuple, list)):  # (A, B) from K-FAC or a previous solution
         init = init[1]
-    for attr in ("B",):
-        if hasattr(init, attr):
-            init = getattr(init, attr)
+    init = getattr(init, "B", init)  # a KFACFactors or MFFResult
     Z0 = torch.as_tensor(init).to(device, torch.float64)
     check_square(Z0, "init (the output-side factor B)", n)
     if not torch.isfinite(Z0).all() or Z0.norm() == 0:
@@ -271,8 +269,7 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
     if terms < 1:
         raise FisherkronError(f"terms must be >= 1, got {terms}")
     t0 = time.perf_counter()
-    stack = grads if isinstance(grads, GradientStack) and grads.dtype == dtype else \
-        GradientStack(grads, dtype=dtype, device=device, memory_budget=memory_budget, name=name)
+    stack = GradientStack.of(grads, dtype, device=device, memory_budget=memory_budget, name=name)
     op = RearrangedFisher(stack)
     n, m, k = op.n, op.m, op.k
     if terms > min(n, m) ** 2:
@@ -281,7 +278,7 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
         tol = 1e-10 if dtype == torch.float64 else 1e-5
     symmetric = terms == 1
     if symmetric:
-        Z0 = _sym(_start_matrix(init, n, stack.device, dtype))
+        Z0 = _sym(_start_matrix(init, n, stack.device))
     else:
         gen = torch.Generator().manual_seed(0)
         Z0 = torch.randn(n, n, generator=gen, dtype=torch.float64).to(stack.device)
@@ -303,7 +300,7 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
                 raise FisherkronError(f"{name}: R(F) maps the start to zero (all gradients zero?)")
             continue
         if not torch.isnan(res[0]):
-            res_bound = float(res[:terms].max() / s[0]) if res.numel() >= 1 else float("nan")
+            res_bound = float(res[:terms].max() / s[0])
         if prev is not None and terms == 1:
             change = _kron_change(float(s[0]), X[:, 0], Y[:, 0], *prev)
             history.append(change)
@@ -326,8 +323,7 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
         raise FisherkronError(f"{name}: only {s.numel()} Kronecker terms found within max_matvecs={max_matvecs}")
     terms_A, terms_B = [], []
     for i in range(terms):
-        a, b = gk.matrices(X, Y, i)
-        a, b = a.double(), b.double()
+        a, b = gk.matrices(X, Y, i)  # float64: the Lanczos bases are
         if symmetric:
             a, b = _sym(a), _sym(b)
         if i == 0 and torch.trace(a) < 0:  # fix the sign so both factors are PSD

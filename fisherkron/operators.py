@@ -39,7 +39,6 @@ import numpy as np
 import scipy.sparse.linalg as spla
 import torch
 
-from ._checks import check_finite
 from .conventions import FisherkronError, unvec, vec
 
 __all__ = ["GradientStack", "RearrangedFisher", "rearranged_fisher", "matvec_flops", "default_memory_budget"]
@@ -275,27 +274,27 @@ class GradientStack:
             for j in range(stop - start):
                 if fh.readinto(memoryview(host).cast("B")) != nbytes:
                     raise FisherkronError(f"{self.name}: gradient file {path} is truncated at batch {start + j}")
-                if not torch.isfinite(host_t.sum()) and not torch.isfinite(host_t).all():
-                    raise FisherkronError(f"{self.name}: gradient of batch {start + j} has NaN/inf entries")
+                self._check_chunk(host_t[None], start + j)  # (1, n, m)
                 out[:, j].copy_(host_t)  # (n, m) into the (n, kc, m) layout
         return out
 
-    def chunks(self) -> Iterator[torch.Tensor]:
+    def chunks(self, reuse: bool = True) -> Iterator[torch.Tensor]:
         """Yield the gradients as ``(n, kc, m)`` tensors on ``device``.
 
-        On the streamed path the chunks share one buffer: use each chunk
-        before asking for the next.
+        On the streamed path the chunks share one buffer unless ``reuse=False``:
+        use each chunk before asking for the next.
         """
         if self._resident is not None:
             yield from self._resident
         else:
-            yield from self._load_chunks(self.chunk_size, reuse=True)
+            yield from self._load_chunks(self.chunk_size, reuse=reuse)
 
-    def _fresh_chunks(self) -> Iterator[torch.Tensor]:
-        if self._resident is not None:
-            yield from self._resident
-        else:
-            yield from self._load_chunks(self.chunk_size, reuse=False)
+    @classmethod
+    def of(cls, grads, dtype: torch.dtype, **kwargs) -> "GradientStack":
+        """``grads`` itself when it is already a stack in ``dtype``, else a new stack over it."""
+        if isinstance(grads, cls) and grads.dtype == dtype:
+            return grads
+        return cls(grads, dtype=dtype, **kwargs)
 
     @property
     def streamed(self) -> bool:
@@ -304,16 +303,16 @@ class GradientStack:
 
     def stacked(self) -> torch.Tensor:
         """All gradients as one ``(k, n, m)`` tensor (small problems only)."""
-        return torch.cat([c.permute(1, 0, 2) for c in self._fresh_chunks()], dim=0)
+        return torch.cat([c.permute(1, 0, 2) for c in self.chunks(reuse=False)], dim=0)
 
     def gram(self) -> torch.Tensor:
         """Gram matrix ``Gamma[i, j] = <G_i, G_j>`` (``k x k``, float64)."""
         K = torch.zeros(self.k, self.k, dtype=torch.float64, device=self.device)
         offs_i = 0
-        for ci in self._fresh_chunks():
+        for ci in self.chunks(reuse=False):
             fi = ci.permute(1, 0, 2).reshape(ci.shape[1], -1)  # (kc_i, n m)
             offs_j = 0
-            for cj in self._fresh_chunks():
+            for cj in self.chunks(reuse=False):
                 if offs_j >= offs_i:
                     fj = cj.permute(1, 0, 2).reshape(cj.shape[1], -1)
                     blk = (fi @ fj.T).double()
@@ -364,6 +363,25 @@ class RearrangedFisher(spla.LinearOperator):
         if self.grads.device.type == "cuda":
             torch.cuda.synchronize(self.grads.device)
 
+    def _product(self, X: torch.Tensor, per_chunk, executed_flops: float) -> torch.Tensor:
+        """``(1/k) sum_chunks per_chunk(X, G_c)`` accumulated in float64, with timing and flop counts."""
+        t0 = time.perf_counter()
+        dev = self.grads.device
+        with _single_thread(dev):
+            X = X.to(dev, self.grads.dtype)
+        out = None
+        for Gc in self.grads.chunks():  # (n, kc, m)
+            part = per_chunk(X, Gc)
+            with _single_thread(dev):
+                out = part.double() if out is None else out.add_(part)
+        self.num_matvecs += 1
+        self.executed_flops += int(executed_flops)
+        with _single_thread(dev):
+            out = out.div_(self.k)
+        self._sync()
+        self.product_seconds += time.perf_counter() - t0
+        return out
+
     def apply(self, Z: torch.Tensor, symmetric: bool = False) -> torch.Tensor:
         """``(1/k) sum_i G_i^T Z G_i`` for ``Z`` (``n x n``) -> ``m x m`` (float64 accumulation over chunks).
 
@@ -371,25 +389,13 @@ class RearrangedFisher(spla.LinearOperator):
         lower block triangle of the second GEMM is computed (see :func:`_sym_gemm_nt`).
         """
         n, m = self.n, self.m
-        t0 = time.perf_counter()
-        dev = self.grads.device
-        with _single_thread(dev):
-            Z = Z.to(dev, self.grads.dtype)
-        out = None
-        for Gc in self.grads.chunks():  # (n, kc, m)
+
+        def per_chunk(Z, Gc):  # Gc: (n, kc, m)
             kc = Gc.shape[1]
             P = Z @ Gc.view(n, kc * m)  # (n, kc m): Z G_i side by side
-            part = _sym_gemm_nt(Gc.view(n * kc, m).T, P.view(n * kc, m).T, symmetric)  # (m, m): sum G_i^T Z G_i
-            del P
-            with _single_thread(dev):
-                out = part.double() if out is None else out.add_(part)
-        self.num_matvecs += 1
-        self.executed_flops += int(2 * self.k * n * m * (n + m * _sym_gemm_fraction(m, symmetric)))
-        with _single_thread(dev):
-            out = out.div_(self.k)
-        self._sync()
-        self.product_seconds += time.perf_counter() - t0
-        return out
+            return _sym_gemm_nt(Gc.view(n * kc, m).T, P.view(n * kc, m).T, symmetric)  # (m, m): sum G_i^T Z G_i
+
+        return self._product(Z, per_chunk, 2 * self.k * n * m * (n + m * _sym_gemm_fraction(m, symmetric)))
 
     def apply_adjoint(self, Y: torch.Tensor, symmetric: bool = False) -> torch.Tensor:
         """``(1/k) sum_i G_i Y G_i^T`` for ``Y`` (``m x m``) -> ``n x n`` (float64 accumulation over chunks).
@@ -397,25 +403,13 @@ class RearrangedFisher(spla.LinearOperator):
         ``symmetric=True``: ``Y`` is symmetric; only the lower block triangle is computed.
         """
         n, m = self.n, self.m
-        t0 = time.perf_counter()
-        dev = self.grads.device
-        with _single_thread(dev):
-            Y = Y.to(dev, self.grads.dtype)
-        out = None
-        for Gc in self.grads.chunks():  # (n, kc, m)
+
+        def per_chunk(Y, Gc):  # Gc: (n, kc, m)
             kc = Gc.shape[1]
             P = Gc.view(n * kc, m) @ Y  # (n kc, m): G_i Y stacked
-            part = _sym_gemm_nt(P.view(n, kc * m), Gc.view(n, kc * m), symmetric)  # (n, n): sum G_i Y G_i^T
-            del P
-            with _single_thread(dev):
-                out = part.double() if out is None else out.add_(part)
-        self.num_matvecs += 1
-        self.executed_flops += int(2 * self.k * n * m * (m + n * _sym_gemm_fraction(n, symmetric)))
-        with _single_thread(dev):
-            out = out.div_(self.k)
-        self._sync()
-        self.product_seconds += time.perf_counter() - t0
-        return out
+            return _sym_gemm_nt(P.view(n, kc * m), Gc.view(n, kc * m), symmetric)  # (n, n): sum G_i Y G_i^T
+
+        return self._product(Y, per_chunk, 2 * self.k * n * m * (m + n * _sym_gemm_fraction(n, symmetric)))
 
     # -- scipy LinearOperator interface ----------------------------------------
     def _matvec(self, x):
@@ -465,6 +459,4 @@ def rearranged_fisher(grads, dtype: torch.dtype = torch.float64, device=None,
         >>> bool(np.allclose(R @ np.ones(9), R.materialize().numpy() @ np.ones(9)))
         True
     """
-    stack = grads if isinstance(grads, GradientStack) and grads.dtype == dtype else \
-        GradientStack(grads, dtype=dtype, device=device, memory_budget=memory_budget)
-    return RearrangedFisher(stack)
+    return RearrangedFisher(GradientStack.of(grads, dtype, device=device, memory_budget=memory_budget))

@@ -4,7 +4,6 @@ No timings are asserted here (timings are what `make bench` reports).
 """
 import math
 
-import numpy as np
 import pytest
 import torch
 

@@ -9,8 +9,7 @@ from transformers import BertConfig, BertForSequenceClassification, LlamaConfig,
 from fisherkron.calibration import collect_calibration, select_layers
 from fisherkron.conventions import FisherkronError
 from fisherkron.kfac import kfac_factors
-
-FLOAT32 = dict(rtol=1e-4, atol=1e-6)  # same float32 graph, different accumulation order
+from fisherkron.testing import FLOAT32  # same float32 graph, different accumulation order
 
 
 def tiny_llama(seed=0):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fisherkron as fk
-from fisherkron.testing import FLOAT32, FLOAT64, dense_fisher, dense_rearrangement, kronecker_gradients
+from fisherkron.testing import FLOAT64, dense_fisher, dense_rearrangement, kronecker_gradients
 
 #: Algorithm 1 in float64 must match the dense top singular triplet to this relative error.
 MFF_FLOAT64_REL = 1e-8
