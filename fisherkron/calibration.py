@@ -25,7 +25,6 @@ import fnmatch
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -39,6 +38,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .conventions import FisherkronError
+from .io import atomic_directory
 from .kfac import KFACFactors
 from .models import DEFAULT_LAYERS, data_root
 
@@ -322,26 +322,29 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         if final.exists():
             shutil.rmtree(final)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:8]}-", dir=root))
-    ok = False
-    try:
+
+    def write(folder: Path) -> dict:
+        """Collect into ``folder`` and write its manifest; returns the per-layer info."""
         tokens = _collect(model, batches, names, modules, shapes, stats, loss_fn or _default_loss,
-                          tmp, progress)
-        files = {f.name: {"size": f.stat().st_size, "hash": _file_hash(f)} for f in sorted(tmp.glob("*.npy"))}
-        layer_info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n]} for n in names}
-        man = {"key": key, "config": config, "k": k, "layers": layer_info, "files": files}
-        (tmp / "manifest.json").write_text(json.dumps(man, indent=1))
-        if not cache:  # a private folder, removed when the returned object is garbage-collected
-            out = CalibrationStats(tmp, layer_info, k, key, config, stats, from_cache=False)
-            weakref.finalize(out, shutil.rmtree, str(tmp), True)
-            ok = True
-            return out
-        os.chmod(tmp, 0o755)
-        tmp.rename(final)
-        ok = True
-    finally:
-        if (cache or not ok) and tmp.exists():
+                          folder, progress)
+        files = {f.name: {"size": f.stat().st_size, "hash": _file_hash(f)} for f in sorted(folder.glob("*.npy"))}
+        info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n]} for n in names}
+        man = {"key": key, "config": config, "k": k, "layers": info, "files": files}
+        (folder / "manifest.json").write_text(json.dumps(man, indent=1))
+        return info
+
+    if not cache:  # a private folder, removed when the returned object is garbage-collected
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:8]}-", dir=root))
+        try:
+            layer_info = write(tmp)
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        out = CalibrationStats(tmp, layer_info, k, key, config, stats, from_cache=False)
+        weakref.finalize(out, shutil.rmtree, str(tmp), True)
+        return out
+    with atomic_directory(final, prefix=f".tmp-{key[:8]}-") as tmp:
+        layer_info = write(tmp)
     return CalibrationStats(final, layer_info, k, key, config, stats, from_cache=False)
 
 

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from .calibration import CalibrationStats, select_layers
 from .conventions import FisherkronError
+from .io import _set_module
 from .lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
 from .mff import mff
 from .regularize import regularize
@@ -114,11 +115,6 @@ class CompressionReport:
 def count_params(model: nn.Module) -> int:
     """Unique parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
-
-
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def plan_ranks(model: nn.Module, names: list[str], *, rank: int | None = None,
