@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .calibration import CalibrationStats, select_layers
+from .calibration import METHOD_STATS, CalibrationStats, select_layers
 from .conventions import FisherkronError
 from .io import _set_module
 from .lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
@@ -46,10 +46,6 @@ __all__ = ["METHODS", "compress", "plan_ranks", "count_params", "CompressionRepo
 log = logging.getLogger(__name__)
 
 METHODS = ("svd", "fwsvd", "asvd", "svd_llm", "gfwsvd", "gfwsvd_diag", "gfwsvd_offdiag")
-_NEEDS = {"fwsvd": "diag_fisher", "asvd": "abs_mean", "svd_llm": "xxt", "gfwsvd": "grads",
-          "gfwsvd_diag": "grads", "gfwsvd_offdiag": "grads"}
-
-
 @dataclass
 class LayerReport:
     """What happened to one layer. ``alpha_*`` are the regularisation strengths each factor needed."""
@@ -218,7 +214,8 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
     if method != "svd":
         if stats is None:
             raise FisherkronError(f"method {method} needs calibration statistics: pass stats=collect_calibration(...)")
-        stats._need(_NEEDS[method])
+        for stat in METHOD_STATS[method]:  # what each method reads, stated once in calibration
+            stats._need(stat)
     t_all = time.perf_counter()
     if layers is None and stats is not None:
         names = list(stats.layers)
