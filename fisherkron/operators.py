@@ -44,15 +44,22 @@ from .conventions import FisherkronError, unvec, vec
 __all__ = ["GradientStack", "RearrangedFisher", "rearranged_fisher", "matvec_flops", "default_memory_budget"]
 
 
-@contextmanager
-def _single_thread(device: torch.device):
-    """Run the enclosed CPU tensor operations on one thread.
+#: Vectors with at least this many entries are updated with all threads (see :func:`_single_thread`).
+THREADED_NUMEL = 1 << 20
 
-    Used for the small, memory-bound operations around the GEMMs (casts,
-    scaling, Lanczos vector updates): as fast as two threads on an idle
-    machine, and free of OpenMP barrier stalls when the cores are shared.
+
+@contextmanager
+def _single_thread(device: torch.device, numel: int = 0):
+    """Run the enclosed CPU tensor operations on one thread when they are small.
+
+    Used for the memory-bound operations around the GEMMs (casts, scaling,
+    Lanczos vector updates). Below ``THREADED_NUMEL`` entries one thread is as
+    fast as two and free of OpenMP barrier stalls when the cores are shared;
+    above it two threads halve the time on an idle machine (dot and axpy on
+    3072^2 float64 entries: 9.6 and 11.8 ms on one thread, 4.6 and 4.7 ms on
+    two), so ``numel`` at or above it leaves the thread count alone.
     """
-    if device.type != "cpu" or torch.get_num_threads() == 1:
+    if device.type != "cpu" or torch.get_num_threads() == 1 or numel >= THREADED_NUMEL:
         yield
         return
     threads = torch.get_num_threads()
@@ -63,8 +70,15 @@ def _single_thread(device: torch.device):
         torch.set_num_threads(threads)
 
 
-#: Row-block size of :func:`_sym_gemm_nt`; outputs smaller than two blocks use one plain GEMM.
-SYM_BLOCK = 512
+#: Target row-block size of :func:`_sym_gemm_nt` (at most ``SYM_MAX_BLOCKS`` blocks); outputs
+#: smaller than two blocks use one plain GEMM. Measured on 2 cores: blocks of ~200 rows keep
+#: the GEMMs efficient (0.73-0.78 of the full GEMM's time at N = 384-768, 0.65 at N = 1536).
+SYM_BLOCK = 192
+SYM_MAX_BLOCKS = 6
+
+
+def _sym_blocks(N: int) -> int:
+    return min(SYM_MAX_BLOCKS, N // SYM_BLOCK)
 
 
 def _sym_gemm_nt(L: torch.Tensor, R: torch.Tensor, symmetric: bool) -> torch.Tensor:
@@ -73,26 +87,33 @@ def _sym_gemm_nt(L: torch.Tensor, R: torch.Tensor, symmetric: bool) -> torch.Ten
     When the product is known to be symmetric, only the blocks on and below
     the diagonal are computed (row block ``I``: ``L[I] @ R[:end(I)]^T``) and
     the rest is filled in by transposition: with ``b`` blocks this does
-    ``(b + 1) / (2 b)`` of the flops of the full GEMM.
+    ``(b + 1) / (2 b)`` of the flops of the full GEMM. A symmetric result is
+    exactly symmetric, so callers never need to symmetrise it again.
     """
     N = L.shape[0]
-    nb = min(8, N // SYM_BLOCK)
-    if not symmetric or nb < 2:
+    nb = _sym_blocks(N)
+    if not symmetric:
         return L @ R.T
+    if nb < 2:  # small: one GEMM, made exactly symmetric like the blocked result
+        out = L @ R.T
+        return out.add_(out.T.clone()).mul_(0.5)
     out = torch.empty(N, N, dtype=L.dtype, device=L.device)
     edges = [round(i * N / nb) for i in range(nb + 1)]
     for i in range(nb):
         a, b = edges[i], edges[i + 1]
         torch.matmul(L[a:b], R[:b].T, out=out[a:b, :b])  # (b - a, b): row block I, columns up to its end
-    for i in range(1, nb):
+    for i in range(nb):
         a, b = edges[i], edges[i + 1]
-        out[:a, a:b] = out[a:b, :a].T  # upper blocks from the lower ones
+        D = out[a:b, a:b]
+        D.add_(D.T.clone()).mul_(0.5)  # the diagonal block, exactly symmetric
+        if i:
+            out[:a, a:b] = out[a:b, :a].T  # upper blocks from the lower ones
     return out
 
 
 def _sym_gemm_fraction(N: int, symmetric: bool) -> float:
     """Share of the flops of an ``N x N`` output GEMM that :func:`_sym_gemm_nt` executes."""
-    nb = min(8, N // SYM_BLOCK)
+    nb = _sym_blocks(N)
     return (nb + 1) / (2 * nb) if symmetric and nb >= 2 else 1.0
 
 
@@ -355,6 +376,7 @@ class RearrangedFisher(spla.LinearOperator):
         self.num_matvecs = 0
         self.product_seconds = 0.0  # wall time inside apply/apply_adjoint (device synchronised)
         self.executed_flops = 0  # flops the GEMMs actually did (fewer than nominal for symmetric inputs)
+        self.nominal_flops = 0  # flops of plain GEMMs: 2 k n m (n + m) per product; 2 k n m^2 for R(I), 2 k m n^2 for R^T(I)
         np_dtype = np.float64 if grads.dtype == torch.float64 else np.float32
         super().__init__(dtype=np_dtype, shape=(self.m ** 2, self.n ** 2))
 
@@ -363,32 +385,43 @@ class RearrangedFisher(spla.LinearOperator):
         if self.grads.device.type == "cuda":
             torch.cuda.synchronize(self.grads.device)
 
-    def _product(self, X: torch.Tensor, per_chunk, executed_flops: float) -> torch.Tensor:
+    def _product(self, X: torch.Tensor | None, per_chunk, executed_flops: float,
+                 nominal_flops: float | None = None) -> torch.Tensor:
         """``(1/k) sum_chunks per_chunk(X, G_c)`` accumulated in float64, with timing and flop counts."""
         t0 = time.perf_counter()
         dev = self.grads.device
-        with _single_thread(dev):
-            X = X.to(dev, self.grads.dtype)
+        if X is not None:
+            with _single_thread(dev, X.numel()):
+                X = X.to(dev, self.grads.dtype)
         out = None
         for Gc in self.grads.chunks():  # (n, kc, m)
             part = per_chunk(X, Gc)
-            with _single_thread(dev):
+            with _single_thread(dev, part.numel()):
                 out = part.double() if out is None else out.add_(part)
         self.num_matvecs += 1
         self.executed_flops += int(executed_flops)
-        with _single_thread(dev):
+        self.nominal_flops += int(matvec_flops(self.n, self.m, self.k) if nominal_flops is None else nominal_flops)
+        with _single_thread(dev, out.numel()):
             out = out.div_(self.k)
         self._sync()
         self.product_seconds += time.perf_counter() - t0
         return out
 
-    def apply(self, Z: torch.Tensor, symmetric: bool = False) -> torch.Tensor:
+    def apply(self, Z: torch.Tensor | None, symmetric: bool = False) -> torch.Tensor:
         """``(1/k) sum_i G_i^T Z G_i`` for ``Z`` (``n x n``) -> ``m x m`` (float64 accumulation over chunks).
 
         With ``symmetric=True`` (``Z`` symmetric, so is the result) only the
         lower block triangle of the second GEMM is computed (see :func:`_sym_gemm_nt`).
+        ``Z=None`` means ``Z = I_n``: ``(1/k) sum_i G_i^T G_i``, one symmetric GEMM
+        (``k n m^2`` flops instead of ``2 k n m (n + m)``).
         """
         n, m = self.n, self.m
+        if Z is None:
+            def gram(_, Gc):  # sum_i G_i^T G_i: the rows of all G_i stacked, (n kc, m)
+                Gs = Gc.view(n * Gc.shape[1], m).T
+                return _sym_gemm_nt(Gs, Gs, True)
+
+            return self._product(None, gram, 2 * self.k * n * m * m * _sym_gemm_fraction(m, True), 2 * self.k * n * m * m)
 
         def per_chunk(Z, Gc):  # Gc: (n, kc, m)
             kc = Gc.shape[1]
@@ -397,12 +430,19 @@ class RearrangedFisher(spla.LinearOperator):
 
         return self._product(Z, per_chunk, 2 * self.k * n * m * (n + m * _sym_gemm_fraction(m, symmetric)))
 
-    def apply_adjoint(self, Y: torch.Tensor, symmetric: bool = False) -> torch.Tensor:
+    def apply_adjoint(self, Y: torch.Tensor | None, symmetric: bool = False) -> torch.Tensor:
         """``(1/k) sum_i G_i Y G_i^T`` for ``Y`` (``m x m``) -> ``n x n`` (float64 accumulation over chunks).
 
         ``symmetric=True``: ``Y`` is symmetric; only the lower block triangle is computed.
+        ``Y=None`` means ``Y = I_m``: ``(1/k) sum_i G_i G_i^T``, one symmetric GEMM (``k m n^2`` flops).
         """
         n, m = self.n, self.m
+        if Y is None:
+            def gram(_, Gc):  # sum_i G_i G_i^T: the columns of all G_i side by side, (n, kc m)
+                Gs = Gc.view(n, Gc.shape[1] * m)
+                return _sym_gemm_nt(Gs, Gs, True)
+
+            return self._product(None, gram, 2 * self.k * n * n * m * _sym_gemm_fraction(n, True), 2 * self.k * n * n * m)
 
         def per_chunk(Y, Gc):  # Gc: (n, kc, m)
             kc = Gc.shape[1]

@@ -4,6 +4,7 @@ No timings are asserted here (timings are what `make bench` reports).
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,12 +32,14 @@ def _dense_factors(G):
     return A, B
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("n,m,k", [(7, 5, 6), (5, 9, 12)])
-def test_authors_approach_and_mff_agree_with_dense(n, m, k):
+def test_authors_approach_and_mff_agree_with_dense(n, m, k, dtype):
     G = synthetic_gradients(n, m, k, tokens=16, seed=1).G  # (k, n, m) float32
     A, B = _dense_factors(G)
     ours = fk.mff(G, tol=1e-7, compute_norm=False)
-    theirs = authors_mff(G)
+    theirs = authors_mff(G, dtype=dtype)
+    assert theirs.A.dtype == np.dtype(dtype)
     assert theirs.status == "measured" and theirs.matvecs > 0
     assert kron_rel_error(ours.A, ours.B, A, B) < AGREE_REL
     assert kron_rel_error(torch.from_numpy(theirs.A), torch.from_numpy(theirs.B), A, B) < AGREE_REL

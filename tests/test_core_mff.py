@@ -135,6 +135,51 @@ def test_tolerance_controls_accuracy():
     assert loose.rel_change < 1e-3
 
 
+@pytest.mark.parametrize("n,m,side", [(7, 5, "B"), (5, 7, "A"), (6, 6, "B")])
+def test_identity_start_on_the_cheaper_side(n, m, side):
+    """Default start: I on the side whose first product is one symmetric GEMM; same answer as dense."""
+    g = torch.Generator().manual_seed(n * 10 + m)
+    G = torch.randn(9, n, m, generator=g, dtype=torch.float64)
+    U, S, Vh, _ = _dense_top(G)
+    ref = S[0] * torch.outer(U[:, 0], Vh[0])
+    res = fk.mff(G, dtype=torch.float64)
+    assert res.start == f"identity ({side} side)"
+    assert res.A.shape == (m, m) and res.B.shape == (n, n)
+    assert _rel(_kron_of(res), ref) <= MFF_FLOAT64_REL
+    explicit = fk.mff(G, dtype=torch.float64, init="identity")
+    torch.testing.assert_close(explicit.A, res.A, **FLOAT64)
+    # the same start given as a matrix runs the plain products: same Krylov space when side is B
+    if side == "B":
+        as_matrix = fk.mff(G, dtype=torch.float64, init=torch.eye(n, dtype=torch.float64))
+        assert as_matrix.start == "init" and as_matrix.matvecs == res.matvecs
+        assert as_matrix.executed_flops > res.executed_flops  # the first product was a full one
+        torch.testing.assert_close(torch.kron(as_matrix.A, as_matrix.B), torch.kron(res.A, res.B), **FLOAT64)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("tol", [1e-3, 1e-5, 1e-7])
+def test_error_estimate_stop_meets_the_tolerance(seed, tol):
+    """tol is a target error of A (x) B: the measured error against the dense answer stays below it."""
+    from fisherkron.bench import synthetic_gradients
+    G = synthetic_gradients(9, 6, 12, tokens=8, rho=0.5, seed=seed, dtype=torch.float64).G
+    U, S, Vh, _ = _dense_top(G)
+    ref = S[0] * torch.outer(U[:, 0], Vh[0])
+    res = fk.mff(G, dtype=torch.float64, tol=tol)
+    assert res.converged and res.error_estimate < tol
+    assert _rel(_kron_of(res), ref) <= tol
+
+
+def test_noise_floor_stops_at_once():
+    """Exactly Kronecker gradients in float32: the first change is at round-off, no budget is burnt."""
+    g = torch.Generator().manual_seed(21)
+    XA = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    XB = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    G = kronecker_gradients(XA @ XA.T + torch.eye(4, dtype=torch.float64),
+                            XB @ XB.T + torch.eye(6, dtype=torch.float64)).float()
+    res = fk.mff(G, tol=1e-5, init=torch.eye(6))
+    assert res.converged and res.matvecs <= 4
+
+
 def test_bad_arguments():
     G = torch.randn(3, 4, 2)
     with pytest.raises(fk.FisherkronError, match="terms must be"):
@@ -143,6 +188,8 @@ def test_bad_arguments():
         fk.mff(G, init=torch.zeros(4, 4))
     with pytest.raises(fk.FisherkronError, match="must be 4 x 4"):
         fk.mff(G, init=torch.eye(3))
+    with pytest.raises(fk.FisherkronError, match="init='kfac'"):
+        fk.mff(G, init="kfac")
     with pytest.raises(fk.FisherkronError, match="batch 1"):
         fk.mff(torch.stack([torch.randn(4, 2), torch.full((4, 2), float("inf"))]))
 

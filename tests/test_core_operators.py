@@ -108,3 +108,49 @@ def test_cuda_stays_on_device():  # pragma: no cover - runs where a GPU exists
     G = torch.randn(4, 7, 5, device="cuda")
     op = fk.rearranged_fisher(G, dtype=torch.float32)
     assert op.apply(torch.eye(7, device="cuda")).device.type == "cuda"
+
+
+@pytest.mark.parametrize("n,m,k", SHAPES)
+def test_identity_products_are_the_gradient_grams(n, m, k):
+    """apply(None) = R(I_n) = (1/k) sum G_i^T G_i and apply_adjoint(None) = R^T(I_m), each one cheap GEMM."""
+    g = torch.Generator().manual_seed(n * 100 + m * 10 + k + 1)
+    G = torch.randn(k, n, m, generator=g, dtype=torch.float64)
+    R_dense = dense_rearrangement(dense_fisher(G), n, m)
+    op = fk.rearranged_fisher(G)
+    np.testing.assert_allclose(fk.vec(op.apply(None)).numpy(), R_dense.numpy() @ fk.vec(torch.eye(n, dtype=torch.float64)).numpy(), **FLOAT64)
+    np.testing.assert_allclose(fk.vec(op.apply_adjoint(None)).numpy(), R_dense.numpy().T @ fk.vec(torch.eye(m, dtype=torch.float64)).numpy(), **FLOAT64)
+    assert op.num_matvecs == 2
+    assert op.nominal_flops == 2 * k * n * m * m + 2 * k * n * n * m  # a plain G^T G and G G^T
+    assert op.executed_flops <= op.nominal_flops
+
+
+def test_symmetric_block_products_match_plain(monkeypatch):
+    """Several row blocks (forced by a small SYM_BLOCK) give the same symmetric products."""
+    import fisherkron.operators as ops
+    g = torch.Generator().manual_seed(8)
+    G = torch.randn(5, 11, 7, generator=g, dtype=torch.float64)
+    Z = torch.randn(11, 11, generator=g, dtype=torch.float64)
+    Y = torch.randn(7, 7, generator=g, dtype=torch.float64)
+    Z, Y = Z + Z.T, Y + Y.T
+    ref = fk.rearranged_fisher(G)
+    want = (ref.apply(Z), ref.apply_adjoint(Y), ref.apply(None), ref.apply_adjoint(None))
+    monkeypatch.setattr(ops, "SYM_BLOCK", 3)
+    op = fk.rearranged_fisher(G)
+    got = (op.apply(Z, True), op.apply_adjoint(Y, True), op.apply(None), op.apply_adjoint(None))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **FLOAT64)
+    assert op.executed_flops < op.nominal_flops  # the upper block triangles were skipped
+
+
+@pytest.mark.parametrize("block", [None, 3])
+def test_symmetric_products_are_exactly_symmetric(block, monkeypatch):
+    """MFF relies on it: symmetric inputs give bit-for-bit symmetric outputs (one GEMM or row blocks)."""
+    import fisherkron.operators as ops
+    if block:
+        monkeypatch.setattr(ops, "SYM_BLOCK", block)
+    g = torch.Generator().manual_seed(9)
+    G = torch.randn(4, 10, 7, generator=g)
+    Z, Y = torch.randn(10, 10, generator=g, dtype=torch.float64), torch.randn(7, 7, generator=g, dtype=torch.float64)
+    op = fk.rearranged_fisher(G, dtype=torch.float32)
+    for out in (op.apply(Z + Z.T, True), op.apply_adjoint(Y + Y.T, True), op.apply(None), op.apply_adjoint(None)):
+        assert torch.equal(out, out.T)
