@@ -66,7 +66,7 @@ params = dict(profile=profile, n=n, m=m, T=T, k=k, seed=seed, rank=rank, mc_samp
 torch.manual_seed(seed)
 f64 = torch.float64
 FLOAT64 = dict(rtol=1e-10, atol=1e-12)  # exact identities, up to float64 round-off
-ITERATIVE = dict(rtol=1e-7, atol=1e-10)  # MFF stops at a relative change of 1e-10 in A (x) B
+ITERATIVE = dict(rtol=1e-7, atol=1e-10)  # MFF (float64) stops at an estimated error of 1e-10 in A (x) B
 MONTE_CARLO = 0.05  # relative error allowed for a sample covariance of mc_samples draws
 
 
