@@ -180,7 +180,7 @@ def smollm2_folder(progress: bool = False) -> Path:
 
 
 def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: int = 2,
-               dtype: torch.dtype = torch.float32, hub: bool | None = None,
+               dtype: torch.dtype = torch.float32, hub: bool | None = None, seed: int | None = 0,
                **kwargs) -> tuple[torch.nn.Module, object]:
     """Load ``(model, tokenizer)`` by embedded alias, local folder or paper-scale hub name.
 
@@ -192,6 +192,9 @@ def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: in
         num_labels: classes of a sequence classifier (its head is new).
         dtype: parameter dtype (float32 by default: gradients are collected in it).
         hub: allow hub downloads; default: allowed unless ``HF_HUB_OFFLINE`` says no.
+        seed: seed of the weights the checkpoint lacks (MiniLM's classifier head), drawn
+            without touching the global RNG, so every load gives the same model (and the
+            gradient cache keyed on the weights can hit); ``None``: the global RNG.
         kwargs: passed to ``from_pretrained``.
 
     The model is returned in ``eval()`` mode.
@@ -220,11 +223,14 @@ def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: in
         raise FisherkronError(f"task {task!r} is unknown; use 'causal-lm' or 'sequence-classification'")
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        if task == "causal-lm":
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-        else:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=num_labels, dtype=dtype, **kwargs)
+        with torch.random.fork_rng(devices=[], enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            if task == "causal-lm":
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+            else:
+                model = AutoModelForSequenceClassification.from_pretrained(
+                    path, num_labels=num_labels, dtype=dtype, **kwargs)
     except OSError as err:  # hub unreachable, gated repo, missing files
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FisherkronError(f"could not load {name}: {first}") from err

@@ -85,3 +85,25 @@ def test_classification_batches_pairs_and_labels():
     assert got == sorted(r["label"] for r in ds)  # k * batch_size = all rows, drawn without replacement
     with pytest.raises(FisherkronError, match="exceeds the 12 examples"):
         data.classification_batches(tok, ds, k=4, batch_size=4, task="boolq")
+
+
+def test_new_classifier_head_is_seeded(tmp_path):
+    """A checkpoint without a head (MiniLM's case): the same seed gives the same model, and the global RNG is untouched."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    from fisherkron.models import load_model
+
+    cfg = BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    BertModel(cfg).save_pretrained(tmp_path)
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("abcdefgh")))
+    BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a, _ = load_model(str(tmp_path), task="sequence-classification")
+    assert torch.equal(torch.rand(1), before)  # the global RNG did not move
+    b, _ = load_model(str(tmp_path), task="sequence-classification")
+    c, _ = load_model(str(tmp_path), task="sequence-classification", seed=1)
+    assert torch.equal(a.classifier.weight, b.classifier.weight)
+    assert not torch.equal(a.classifier.weight, c.classifier.weight)
