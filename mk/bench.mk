@@ -5,7 +5,7 @@ BENCH_DIR  ?= figures/bench
 BENCH_ARGS ?=
 
 .PHONY: bench bench-quick
-bench: $(STAMP) ## benchmark MFF vs the authors' svds approach: synthetic sizes, a MiniLM layer, whole MiniLM (~15-20 min on 2 cores)
+bench: $(STAMP) ## benchmark MFF vs the authors' svds approach: synthetic sizes, a MiniLM layer, whole MiniLM (about 7 min on 2 idle cores)
 	$(PY) -m fisherkron.bench --out $(BENCH_DIR) $(BENCH_ARGS)
 
 bench-quick: $(STAMP) ## the benchmark on tiny sizes (seconds; checks that it runs)
