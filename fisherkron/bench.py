@@ -448,8 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k-minilm", type=int, default=32, help="batches of MiniLM gradients")
     p.add_argument("--quick", action="store_true", help="tiny sizes, no MiniLM (seconds; for smoke tests)")
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw fig_bench_mff.{png,pdf} from the CSV tables already in --out (no timing)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    if a.replot:
+        return _replot(a.out)
     if a.quick:
         a.sizes, a.minilm_layer, a.no_whole_model = [(48, 32, 8), (96, 48, 8)], "none", True
     device = torch.device(a.device)
@@ -508,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                caption="MFF (fisherkron) against the authors' svds approach on the same gradients",
                label="tab:bench_mff", floatfmt=".3g", extra=extra)
     print("\n" + _fmt_table(df) + "\n", flush=True)
+    wdf_all = None
     if not a.no_whole_model:
         wdfs, walls = [], {}
         for init in ("kfac", "identity"):
@@ -519,15 +524,76 @@ def main(argv: list[str] | None = None) -> int:
                   f"(matvecs per layer: median {mv.median():.0f}, min {mv.min()}, max {mv.max()}; "
                   f"<= 6 on {int((mv <= 6).sum())}/{len(wdf)} layers; all converged: {bool(wdf['converged'].all())})",
                   flush=True)
-        save_table(pd.concat(wdfs, ignore_index=True), "bench_minilm_layers", a.out, params, started=started,
+        wdf_all = pd.concat(wdfs, ignore_index=True)
+        save_table(wdf_all, "bench_minilm_layers", a.out, params, started=started,
                    notebook="fisherkron/bench.py",
                    caption="MFF of all MiniLM linear layers (K-FAC and identity starts)",
                    label="tab:bench_minilm_layers", floatfmt=".3g",
                    extra={"end_to_end_seconds": walls["kfac"], "end_to_end_seconds_identity": walls["identity"],
                           "collection_seconds": collect_s, "collection_from_cache": stats.from_cache})
+    import matplotlib
+    matplotlib.use("Agg")
+    from .figures import save_figure
+    save_figure(plot_bench(df, wdf_all), "fig_bench_mff", a.out, params, started=started, notebook="fisherkron/bench.py",
+                extra=extra)
     print(f"GEMM peak: {peak:.1f} GFLOP/s at start, {peak_end:.1f} at end; load average {os.getloadavg()}; "
           f"peak RSS {peak_rss_mib():.0f} MiB; total {time.perf_counter() - started:.0f} s", flush=True)
     return 0
+
+
+def plot_bench(df, layers=None, target: float = 30.0):
+    """Figure of a benchmark table: seconds per case and solver, speedups, matvecs per MiniLM layer.
+
+    ``df``: the ``bench_mff`` rows; ``layers``: the ``bench_minilm_layers`` rows (optional).
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cases = [c.replace("synthetic ", "syn ").replace("MiniLM bert.encoder.", "MiniLM ").replace("attention.output.dense", "attn.out")
+             for c in df["case"]]
+    solvers = [("ours_s", "fisherkron, K-FAC start"), ("ident_s", "fisherkron, default start"),
+               ("authors_f32_s", "authors' svds in float32"), ("authors_s", "authors' svds, float64 (as published)")]
+    solvers = [(c, lab) for c, lab in solvers if c in df.columns]
+    panels = 3 if layers is not None and len(layers) else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.6))
+    y = np.arange(len(cases))
+    h = 0.8 / max(len(solvers), 1)
+    ax = axes[0]
+    for j, (col, lab) in enumerate(solvers):
+        ax.barh(y + (j - (len(solvers) - 1) / 2) * h, df[col], height=h, label=lab)
+    ax.set_xscale("log")
+    ax.set_yticks(y, cases)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (log scale)")
+    ax.set_title("time to factorise one layer")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    ax = axes[1]
+    speed = [(c, lab) for c, lab in [("speedup", "K-FAC start"), ("speedup_ident", "default start"),
+                                      ("speedup_vs_f32", "K-FAC start vs float32 svds")] if c in df.columns]
+    h2 = 0.8 / max(len(speed), 1)
+    for j, (col, lab) in enumerate(speed):
+        ax.barh(y + (j - (len(speed) - 1) / 2) * h2, df[col], height=h2, label=lab)
+    ax.axvline(target, color="k", ls=":", label=f"target {target:.0f}x")
+    ax.set_yticks(y, [""] * len(cases))
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup over the authors' approach (x)")
+    ax.set_title("speedup on the same gradients")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    if panels == 3:
+        ax = axes[2]
+        starts = list(dict.fromkeys(layers["start"])) if "start" in layers.columns else [None]
+        top = int(layers["matvecs"].max())
+        bins = np.arange(1.5, top + 1.5)
+        mvs = [layers["matvecs"] if st is None else layers.loc[layers["start"] == st, "matvecs"] for st in starts]
+        ax.hist(mvs, bins=bins, label=[f"{st} start (median {mv.median():.0f})" for st, mv in zip(starts, mvs)])
+        ax.axvline(6.5, color="k", ls=":", label="target: <= 6")
+        ax.set_xticks(range(2, top + 1, 2))
+        ax.set_xlabel("matvecs per layer")
+        ax.set_ylabel("layers")
+        ax.set_title(f"whole MiniLM: {len(layers) // max(len(starts), 1)} layers")
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    fig.tight_layout()
+    return fig
 
 
 def _row_line(r: dict) -> str:
@@ -549,6 +615,27 @@ def _row_line(r: dict) -> str:
     if "authors_f32_s" in r:
         s += f" | authors in float32 {r['authors_f32_s']:.1f} s, speedup {r['speedup_vs_f32']:.0f}x"
     return s
+
+
+def _replot(out: str) -> int:
+    """Redraw ``fig_bench_mff.{png,pdf}`` from ``<out>/bench_mff.csv`` (and ``bench_minilm_layers.csv``)."""
+    from pathlib import Path
+
+    import matplotlib
+    import pandas as pd
+    matplotlib.use("Agg")
+    from .figures import save_figure
+
+    folder = Path(out)
+    table = folder / "bench_mff.csv"
+    if not table.exists():
+        raise FisherkronError(f"--replot: {table} does not exist; run the benchmark first (make bench)")
+    layers = folder / "bench_minilm_layers.csv"
+    wdf = pd.read_csv(layers) if layers.exists() else None
+    save_figure(plot_bench(pd.read_csv(table), wdf), "fig_bench_mff", folder, {"replot_of": [str(table), str(layers)]},
+                notebook="fisherkron/bench.py (--replot)")
+    print(f"wrote {folder / 'fig_bench_mff.png'} from {table}")
+    return 0
 
 
 if __name__ == "__main__":
