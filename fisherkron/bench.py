@@ -6,8 +6,8 @@ fast when each product runs near the machine's GEMM peak and when few
 products are needed. This module measures both, on the same gradients, for
 
 * **fisherkron** -- :func:`fisherkron.mff`: float32 GEMMs over the stacked
-  gradients, Golub-Kahan-Lanczos from the K-FAC factors, stopped on the
-  relative change of ``A (x) B``;
+  gradients, Golub-Kahan-Lanczos from the K-FAC factors (and from the
+  default identity start), stopped on the estimated error of ``A (x) B``;
 * **the authors' approach**, re-implemented here (our code, written from
   its description): ``scipy.sparse.linalg.svds(k=3)`` over a
   ``LinearOperator`` whose matvec loops in Python over the gradients with one
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="synthetic layer sizes n x m x k (default: 768x384x16 1536x384x32 3072x768x16)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (gradients and GEMMs stay on it)")
     p.add_argument("--out", default="figures/bench", help="output folder (CSV + Markdown + LaTeX)")
-    p.add_argument("--tol", type=float, default=1e-4, help="MFF stop: relative change of A (x) B (default 1e-4)")
+    p.add_argument("--tol", type=float, default=1e-4, help="MFF stop: estimated relative error of A (x) B (default 1e-4)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per synthetic batch")
     p.add_argument("--authors-limit", type=float, default=420.0,
                    help="seconds after which the authors' svds is stopped and its time extrapolated")

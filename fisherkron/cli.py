@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("factorize", help="MFF (Algorithm 1) on a (k, n, m) float32 .npy of per-batch gradients")
     f.add_argument("grads", help="path to a .npy file of shape (k, n, m)")
     f.add_argument("--out", required=True, help="where to write A, B and diagnostics (torch .pt)")
-    f.add_argument("--tol", type=float, default=None, help="relative-change tolerance of A (x) B")
+    f.add_argument("--tol", type=float, default=None, help="target relative error of A (x) B (estimated; default 1e-5 in float32)")
     f.add_argument("--terms", type=int, default=1, help="Kronecker terms (singular triplets) to compute")
     f.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
     f.add_argument("--memory-gb", type=float, default=None, help="memory budget; larger inputs are streamed")
