@@ -32,7 +32,10 @@ FIGDIR ?= $(or $(FIGDIR_$(PROFILE)),build/$(PROFILE)/figures)
 # those lists $(MODEL_SRC) among its extra prerequisites.
 MODEL_SRC := $(addprefix fisherkron/,models.py data.py calibration.py compress.py io.py evaluate.py \
                lm_eval_tasks.py model_api.py cli.py compress_cli.py)
-CORE_SRC := $(filter-out $(MODEL_SRC),$(sort $(wildcard fisherkron/*.py)))
+# The benchmark module (issue 5) is used only by the runtime study, so it is that notebook's
+# extra prerequisite rather than everyone's.
+BENCH_SRC := fisherkron/bench.py
+CORE_SRC := $(filter-out $(MODEL_SRC) $(BENCH_SRC),$(sort $(wildcard fisherkron/*.py)))
 NOTEBOOKS :=
 
 # The files of a figure / a table written by fisherkron.figures (with provenance records).
@@ -79,7 +82,7 @@ $(eval $(call notebook,fig_synthetic_correlations,$(call fig,fig_corr fig_diag_f
 fig_synthetic_correlations: ## Fig. corr + Fig. diag_full_synth (Sec. 6.1): synthetic covariance experiment
 
 # The MFF runtime study (Fig./Tab. time_algo, Sec. 4.2); the authors' approach runs beside ours.
-$(eval $(call notebook,fig_time_algo,$(call fig,fig_time_algo) $(call tab,tab_time_algo tab_time_algo_sweep)))
+$(eval $(call notebook,fig_time_algo,$(call fig,fig_time_algo) $(call tab,tab_time_algo tab_time_algo_sweep),$(BENCH_SRC)))
 fig_time_algo: ## Fig. + Tab. time_algo (Sec. 4.2): MFF runtime against layer size and k, vs the authors' approach
 
 # -- aggregate targets ----------------------------------------------------------
