@@ -531,11 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                    label="tab:bench_minilm_layers", floatfmt=".3g",
                    extra={"end_to_end_seconds": walls["kfac"], "end_to_end_seconds_identity": walls["identity"],
                           "collection_seconds": collect_s, "collection_from_cache": stats.from_cache})
-    import matplotlib
-    matplotlib.use("Agg")
-    from .figures import save_figure
-    save_figure(plot_bench(df, wdf_all), "fig_bench_mff", a.out, params, started=started, notebook="fisherkron/bench.py",
-                extra=extra)
+    _save_bench_figure(df, wdf_all, a.out, params, started=started, notebook="fisherkron/bench.py", extra=extra)
     print(f"GEMM peak: {peak:.1f} GFLOP/s at start, {peak_end:.1f} at end; load average {os.getloadavg()}; "
           f"peak RSS {peak_rss_mib():.0f} MiB; total {time.perf_counter() - started:.0f} s", flush=True)
     return 0
@@ -547,7 +543,6 @@ def plot_bench(df, layers=None, target: float = 30.0):
     ``df``: the ``bench_mff`` rows; ``layers``: the ``bench_minilm_layers`` rows (optional).
     """
     import matplotlib.pyplot as plt
-    import numpy as np
 
     cases = [c.replace("synthetic ", "syn ").replace("MiniLM bert.encoder.", "MiniLM ").replace("attention.output.dense", "attn.out")
              for c in df["case"]]
@@ -617,14 +612,19 @@ def _row_line(r: dict) -> str:
     return s
 
 
+def _save_bench_figure(df, layers, out, params, **provenance) -> None:
+    """Draw :func:`plot_bench` off-screen and write ``<out>/fig_bench_mff.{png,pdf}`` with its provenance."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from .figures import save_figure
+    save_figure(plot_bench(df, layers), "fig_bench_mff", out, params, **provenance)
+
+
 def _replot(out: str) -> int:
     """Redraw ``fig_bench_mff.{png,pdf}`` from ``<out>/bench_mff.csv`` (and ``bench_minilm_layers.csv``)."""
     from pathlib import Path
 
-    import matplotlib
     import pandas as pd
-    matplotlib.use("Agg")
-    from .figures import save_figure
 
     folder = Path(out)
     table = folder / "bench_mff.csv"
@@ -632,8 +632,8 @@ def _replot(out: str) -> int:
         raise FisherkronError(f"--replot: {table} does not exist; run the benchmark first (make bench)")
     layers = folder / "bench_minilm_layers.csv"
     wdf = pd.read_csv(layers) if layers.exists() else None
-    save_figure(plot_bench(pd.read_csv(table), wdf), "fig_bench_mff", folder, {"replot_of": [str(table), str(layers)]},
-                notebook="fisherkron/bench.py (--replot)")
+    _save_bench_figure(pd.read_csv(table), wdf, folder, {"replot_of": [str(table), str(layers)]},
+                       notebook="fisherkron/bench.py (--replot)")
     print(f"wrote {folder / 'fig_bench_mff.png'} from {table}")
     return 0
 

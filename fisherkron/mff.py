@@ -121,9 +121,7 @@ def _start_matrix(init, n: int, device) -> torch.Tensor:
     factor with a wide dynamic range (K-FAC ``B`` of a real layer) is off by
     ~1e-4, which showed up as a 1e-4 floor in the error of ``A (x) B``.
     """
-    if init is None or (isinstance(init, str) and init == "identity"):
-        return torch.eye(n, device=device, dtype=torch.float64)
-    if isinstance(init, str):
+    if isinstance(init, str):  # "identity" (and None) never get here: mff handles them
         raise FisherkronError(f"init={init!r}: expected 'identity', K-FAC factors (A, B), an MFFResult "
                               "or an n x n matrix B")
     if isinstance(init, (tuple, list)):  # (A, B) from K-FAC or a previous solution
@@ -406,8 +404,7 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
         a, b = gk.matrices(X, Y, i)  # float64: the Lanczos bases are
         if swapped:  # the Lanczos "U" side was B (n x n), the "V" side A (m x m)
             a, b = b, a
-        if symmetric:
-            a, b = _sym(a), _sym(b)
+        # symmetric runs need no symmetrisation: the bases are exactly symmetric (see _extend)
         if i == 0 and torch.trace(a) < 0:  # fix the sign so both factors are PSD
             a, b = -a, -b
         scale = math.sqrt(float(s[i]))
