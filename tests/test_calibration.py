@@ -4,26 +4,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
 from fisherkron.calibration import collect_calibration, select_layers
 from fisherkron.conventions import FisherkronError
 from fisherkron.kfac import kfac_factors
 from fisherkron.testing import FLOAT32  # same float32 graph, different accumulation order
-
-
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def tiny_bert(seed=0):
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=50, hidden_size=20, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=36, max_position_embeddings=32, num_labels=3)
-    return BertForSequenceClassification(cfg).eval()
+from tiny_models import tiny_bert, tiny_llama
 
 
 def lm_batches(k=3, B=2, T=9, seed=0):

@@ -1,10 +1,9 @@
-"""Model surgery and save/reload on tiny random BERT and Llama models built here."""
+"""Model surgery and save/reload on tiny random BERT and Llama models (tests/tiny_models.py)."""
 import copy
 import json
 
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
 from fisherkron.calibration import collect_calibration
 from fisherkron.compress import METHODS, compress, count_params
@@ -14,24 +13,16 @@ from fisherkron.lowrank import LowRankLinear
 from fisherkron.mff import mff
 from fisherkron.regularize import regularize
 from fisherkron.wsvd import gfwsvd
+import tiny_models
+from tiny_models import tiny_bert
 
 RELOAD = dict(rtol=0, atol=1e-6)  # the issue's bar for save -> load
 SAME_MATH = dict(rtol=1e-5, atol=1e-6)  # same float computation along another path
 
 
 def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def tiny_bert(seed=0):
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=50, hidden_size=20, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=36, max_position_embeddings=32, num_labels=3)
-    return BertForSequenceClassification(cfg).eval()
+    """The shared tiny Llama with a tied LM head, which surgery must leave alone."""
+    return tiny_models.tiny_llama(seed, tie_word_embeddings=True)
 
 
 def batches(vocab, k=4, B=2, T=9, labels=None, seed=0):
