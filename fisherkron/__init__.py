@@ -1,21 +1,69 @@
 """fisherkron: Kronecker-factored Fisher approximation (MFF) and generalized Fisher-weighted SVD (GFWSVD).
 
-Convention (see :mod:`fisherkron.conventions`): ``W`` and gradients are ``n x m``
+Convention (see :mod:`fisherkron.core.conventions`): ``W`` and gradients are ``n x m``
 (out x in); ``vec`` is column-major; ``F ~= A (x) B`` with ``A`` (``m x m``, input
 side) and ``B`` (``n x n``, output side).
+
+The package in layers, each importing only from those listed before it:
+
+* :mod:`fisherkron.core`: the method (R(F), MFF, K-FAC, regularisation, the weighted-SVD
+  family, ``LowRankLinear``); needs torch, numpy, scipy, tqdm only;
+* :mod:`fisherkron.env`: paths, offline switches, atomic writes;
+* :mod:`fisherkron.hf`: Hugging Face models (``pip install 'fisherkron[hf]'``);
+* :mod:`fisherkron.experiments`: code only the notebooks and scripts use;
+* :mod:`fisherkron.cli`: the ``fisherkron`` command.
+
+Every name below is importable from ``fisherkron``; the Hugging Face names are imported on
+first use, so ``import fisherkron`` needs only the core dependencies.
 """
-from .conventions import FisherkronError, kron, unvec, vec
-from .kfac import KFACFactors, kfac_factors
-from .lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
-from .mff import MFFResult, kronecker_terms, mff
-from .operators import GradientStack, RearrangedFisher, matvec_flops, rearranged_fisher
-from .regularize import Regularized, regularize
-from .wsvd import asvd, fisher_weighted_error, fwsvd, gfwsvd, svd, svd_llm, weighted_svd
+from __future__ import annotations
 
-try:  # model-level API (issue 3); optional until its modules land
-    from .model_api import *  # noqa: F401,F403
-except ImportError as _exc:  # pragma: no cover
-    if "model_api" not in str(_exc):
-        raise
+import importlib
 
-__version__ = "0.1.0"
+from .core import (METHODS, MIN_ALPHA, Factors, FisherkronError, GradientStack, KFACFactors,
+                   LowRankLinear, Method, MFFResult, RearrangedFisher, Regularized, asvd,
+                   compression_ratio, factorize_weight, fisher_weighted_error, fwsvd, gfwsvd,
+                   kfac_factors, kron, kronecker_terms, lowrank_params, matvec_flops, mff,
+                   rank_for_ratio, rearranged_fisher, regularize, svd, svd_llm, unvec, vec,
+                   weighted_svd)
+
+__version__ = "0.2.0"
+
+_HF = ("load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
+       "load_task", "ptb", "wiki_text", "c4_documents", "lm_batches", "classification_batches",
+       "collect_calibration", "select_layers", "CalibrationStats",
+       "compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport",
+       "save_compressed", "load_compressed",
+       "perplexity", "PerplexityResult", "classification_metrics", "predict_classifier",
+       "evaluate_classifier", "run_lm_eval", "write_tasks", "LOCAL_TASKS")
+
+__all__ = [
+    # fisherkron.core: the method
+    "FisherkronError", "vec", "unvec", "kron",
+    "rearranged_fisher", "RearrangedFisher", "GradientStack", "matvec_flops",
+    "mff", "MFFResult", "kronecker_terms",
+    "kfac_factors", "KFACFactors",
+    "regularize", "Regularized", "MIN_ALPHA",
+    "weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
+    "METHODS", "Method", "factorize_weight",
+    "LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio",
+    # fisherkron.hf: Hugging Face models (imported on first use)
+    *_HF,
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    """Import the Hugging Face layer on first use of one of its names (PEP 562)."""
+    if name in _HF:
+        from .env import require
+
+        require("transformers", "hf")
+        value = getattr(importlib.import_module(".hf", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fisherkron' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HF))

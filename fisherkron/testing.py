@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .conventions import vec
+from .core.conventions import vec
 
 __all__ = ["FLOAT64", "FLOAT32", "dense_fisher", "dense_rearrangement", "kronecker_gradients"]
 

@@ -1,4 +1,4 @@
-# Notebooks that regenerate the paper's figures and tables (issue 4).
+# Notebooks that regenerate the paper's figures and tables.
 #
 # Each notebook notebooks/<name>.py (jupytext py:percent) is converted to .ipynb
 # and executed by papermill with the parameters of the selected profile,
@@ -27,15 +27,9 @@ FIGDIR_default := figures
 FIGDIR_paper   := figures/paper
 FIGDIR_smoke   := build/smoke/figures
 FIGDIR ?= $(or $(FIGDIR_$(PROFILE)),build/$(PROFILE)/figures)
-# The core the notebooks call: fisherkron/ without the model-level modules (models, data,
-# calibration, surgery, save/load, evaluation) and the command line. A notebook that uses
-# those lists $(MODEL_SRC) among its extra prerequisites.
-MODEL_SRC := $(addprefix fisherkron/,models.py data.py calibration.py compress.py io.py evaluate.py \
-               lm_eval_tasks.py model_api.py cli.py compress_cli.py)
-# The benchmark module (issue 5) is used only by the runtime study, so it is that notebook's
-# extra prerequisite rather than everyone's.
-BENCH_SRC := fisherkron/bench.py
-CORE_SRC := $(filter-out $(MODEL_SRC) $(BENCH_SRC),$(sort $(wildcard fisherkron/*.py)))
+# Every notebook depends on $(CORE_SRC) (see the Makefile). A notebook that uses the Hugging
+# Face layer lists $(HF_SRC) among its extra prerequisites; one that uses an experiment
+# module lists that module ($(EXP)/<module>.py).
 NOTEBOOKS :=
 
 # The files of a figure / a table written by fisherkron.figures (with provenance records).
@@ -74,15 +68,15 @@ $(NB_PARAMS)/%.yaml:
 	@echo "missing parameter file $@: write it (keys = the notebook's parameters cell) or pick another PROFILE" >&2
 	@exit 1
 
-# -- the notebooks of issue 4 ---------------------------------------------------
+# -- the notebooks ---------------------------------------------------------------
 $(eval $(call notebook,kronecker_fisher_from_scratch,$(call fig,kronecker_fisher_from_scratch)))
 kronecker_fisher_from_scratch: ## teaching notebook: Kronecker-factored Fisher from scratch (Secs. 3-5, App. E)
 
-$(eval $(call notebook,fig_synthetic_correlations,$(call fig,fig_corr fig_diag_full_synth) $(call tab,tab_diag_full_synth tab_synthetic_gaps) $(FIGDIR)/fig_synthetic_correlations_summary.provenance.json))
+$(eval $(call notebook,fig_synthetic_correlations,$(call fig,fig_corr fig_diag_full_synth) $(call tab,tab_diag_full_synth tab_synthetic_gaps) $(FIGDIR)/fig_synthetic_correlations_summary.provenance.json,$(EXP)/synthetic.py))
 fig_synthetic_correlations: ## Fig. corr + Fig. diag_full_synth (Sec. 6.1): synthetic covariance experiment
 
 # The MFF runtime study (Fig./Tab. time_algo, Sec. 4.2); the authors' approach runs beside ours.
-$(eval $(call notebook,fig_time_algo,$(call fig,fig_time_algo) $(call tab,tab_time_algo tab_time_algo_sweep),$(BENCH_SRC)))
+$(eval $(call notebook,fig_time_algo,$(call fig,fig_time_algo) $(call tab,tab_time_algo tab_time_algo_sweep),$(addprefix $(EXP)/,benchmark.py authors.py synthetic_gradients.py)))
 fig_time_algo: ## Fig. + Tab. time_algo (Sec. 4.2): MFF runtime against layer size and k, vs the authors' approach
 
 # -- aggregate targets ----------------------------------------------------------

@@ -28,7 +28,7 @@
 # and compress its first linear layer (the one whose input covariance is $\Sigma$) to rank $r$ by
 # plain SVD, FWSVD (diagonal Fisher), GFWSVD with only the diagonals of the MFF factors, and
 # GFWSVD with the full MFF factors from $k$ per-batch gradients. All of it is in
-# `fisherkron.synthetic`; this notebook loops over regimes and seeds and plots.
+# `fisherkron.experiments.synthetic`; this notebook loops over regimes and seeds and plots.
 #
 # **How to read.** Fig. `fig_corr` shows the three covariances. Fig. `fig_diag_full_synth` shows
 # validation accuracy against rank (mean over seeds, shaded $\pm 1$ standard deviation) beside
@@ -71,7 +71,7 @@ import pandas as pd
 import torch
 from IPython.display import Markdown, display
 
-from fisherkron import figures, synthetic
+from fisherkron.experiments import figures, synthetic
 
 started = time.perf_counter()
 torch.set_num_threads(threads)
@@ -108,7 +108,7 @@ plt.show()
 # For every regime and seed: data, MLP training, $k$ per-batch gradients $G_i$ of the target layer,
 # MFF factors $A$ (input side, $m\times m$) and $B$ (output side, $n \times n$), the diagonal
 # Fisher $\mathbb E[G \odot G]$, and validation accuracy for every method and rank
-# (`fisherkron.synthetic.run_seed`).
+# (`fisherkron.experiments.synthetic.run_seed`).
 
 # %%
 rows = []

@@ -21,11 +21,11 @@
 #
 # **Experiment.** On the current device we time `fisherkron.mff` (float32 GEMMs, Golub-Kahan-Lanczos
 # from the K-FAC factors, stopped when the estimated error of $A \otimes B$ is below `tol`) on
-# synthetic Kronecker-like gradients $G_i = \sum_t \delta_t x_t^\top$ (`fisherkron.bench`), against
+# synthetic Kronecker-like gradients $G_i = \sum_t \delta_t x_t^\top$ (`fisherkron.experiments.synthetic_gradients`), against
 # layer size at fixed $k$ and against $k$ at a fixed size, and report flops and achieved GFLOP/s
 # against the GEMM peak measured in the same run. The authors' approach (`svds(k=3)` over a
 # per-gradient Python-loop operator in float64, as the authors' scripts run it, re-implemented in
-# `fisherkron.bench`) runs beside it where it
+# `fisherkron.experiments.authors`) runs beside it where it
 # finishes within `authors_limit` seconds. The table gives the paper's layer sizes: measured where
 # memory and `max_measure_seconds` allow, otherwise **extrapolated** from the measured throughput
 # and matvec count (labelled in the `how` column).
@@ -63,8 +63,8 @@ import pandas as pd
 import torch
 
 import fisherkron as fk
-from fisherkron import bench
-from fisherkron.figures import save_figure, save_table
+from fisherkron.experiments import benchmark as bench
+from fisherkron.experiments.figures import save_figure, save_table
 
 started = time.perf_counter()
 params = dict(device=device, sizes=sizes, k_sizes=k_sizes, k_values=k_values, k_sweep_size=k_sweep_size,

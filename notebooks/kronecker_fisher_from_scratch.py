@@ -28,7 +28,7 @@
 # (`vec`, `rearranged_fisher`, `mff`, `kfac_factors`, `gfwsvd`, `fwsvd`, `svd`, `regularize`);
 # the dense references are written out here, since they are the point of the lesson.
 #
-# **Conventions** (`fisherkron.conventions`): $W$ and gradients $G_i$ are $n\times m$ (out $\times$
+# **Conventions** (`fisherkron.core.conventions`): $W$ and gradients $G_i$ are $n\times m$ (out $\times$
 # in); $\mathrm{vec}$ stacks *columns*; $A$ is $m\times m$ (input side), $B$ is $n\times n$
 # (output side), and
 # $$\mathrm{vec}(\Delta W)^\top (A\otimes B)\,\mathrm{vec}(\Delta W) = \mathrm{tr}(\Delta W^\top B\,\Delta W A).$$
@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 import fisherkron as fk
-from fisherkron import figures
+from fisherkron.experiments import figures
 
 started = time.perf_counter()
 params = dict(profile=profile, n=n, m=m, T=T, k=k, seed=seed, rank=rank, mc_samples=mc_samples,

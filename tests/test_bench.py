@@ -1,4 +1,4 @@
-"""The benchmark's pieces: the authors'-approach reimplementation, the synthetic generator, the error metric.
+"""The benchmark's pieces (fisherkron.experiments, scripts/bench_mff.py): the authors'-approach reimplementation, the synthetic generator, the error metric.
 
 No timings are asserted here (timings are what `make bench` reports).
 """
@@ -9,8 +9,26 @@ import pytest
 import torch
 
 import fisherkron as fk
-from fisherkron.bench import (ar1_cholesky, authors_mff, kron_rel_error, main, synthetic_gradients)
+from fisherkron.experiments.authors import authors_mff
+from fisherkron.experiments.benchmark import kron_rel_error
+from fisherkron.experiments.synthetic_gradients import ar1_cholesky, synthetic_gradients
 from fisherkron.testing import dense_fisher, dense_rearrangement
+
+def _load_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_mff.py"
+    spec = importlib.util.spec_from_file_location("bench_mff", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv):
+    """``scripts/bench_mff.py`` with ``argv``."""
+    return _load_script().main(argv)
+
 
 #: the authors' float32 svds and our float32 MFF both within this of the dense float64 answer.
 AGREE_REL = 1e-4
@@ -125,7 +143,7 @@ def test_cli_quick_writes_csv_and_markdown(tmp_path, capsys):
 @pytest.mark.parametrize("n,m,k", [(23, 9, 5), (7, 19, 4)])
 def test_symmetric_block_products_equal_plain_products(monkeypatch, n, m, k):
     """The fast path (lower block triangle for symmetric inputs) equals the plain GEMMs."""
-    import fisherkron.operators as ops
+    import fisherkron.core.operators as ops
 
     monkeypatch.setattr(ops, "SYM_BLOCK", 3)  # several row blocks even at test sizes
     G = torch.randn(k, n, m, generator=torch.Generator().manual_seed(n), dtype=torch.float64)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from fisherkron.calibration import collect_calibration, select_layers
-from fisherkron.conventions import FisherkronError
-from fisherkron.kfac import kfac_factors
+from fisherkron.hf.calibration import collect_calibration, select_layers
+from fisherkron.core.conventions import FisherkronError
+from fisherkron.core.kfac import kfac_factors
 from fisherkron.testing import FLOAT32  # same float32 graph, different accumulation order
 from tiny_models import tiny_bert, tiny_llama
 

@@ -5,14 +5,15 @@ import json
 import pytest
 import torch
 
-from fisherkron.calibration import collect_calibration
-from fisherkron.compress import METHODS, compress, count_params
-from fisherkron.conventions import FisherkronError
-from fisherkron.io import load_compressed, save_compressed
-from fisherkron.lowrank import LowRankLinear
-from fisherkron.mff import mff
-from fisherkron.regularize import regularize
-from fisherkron.wsvd import gfwsvd
+from fisherkron.hf.calibration import collect_calibration
+from fisherkron import METHODS
+from fisherkron.hf.surgery import compress, count_params
+from fisherkron.core.conventions import FisherkronError
+from fisherkron.hf.saving import load_compressed, save_compressed
+from fisherkron.core.lowrank import LowRankLinear
+from fisherkron.core.factorization import mff
+from fisherkron.core.regularization import regularize
+from fisherkron.core.wsvd import gfwsvd
 import tiny_models
 from tiny_models import tiny_bert
 
@@ -107,7 +108,7 @@ def test_ratio_target_is_met_and_reported():
 
 def test_bad_ranks_and_missing_stats_give_one_line_errors(llama_stats):
     base, st = llama_stats
-    with pytest.raises(FisherkronError, match=r"rank 25 exceeds min\(n, m\)=24 for layer model.layers.0"):
+    with pytest.raises(FisherkronError, match=r"rank 25 is outside 1..min\(n, m\)=24 for layer model.layers.0"):
         compress(copy.deepcopy(base), "svd", layers=r"model\.layers\.0\.mlp\.up_proj", rank=25)
     with pytest.raises(FisherkronError, match="needs calibration statistics"):
         compress(copy.deepcopy(base), "gfwsvd", layers="model.layers.0.mlp.up_proj", rank=2)

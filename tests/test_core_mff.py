@@ -160,7 +160,7 @@ def test_identity_start_on_the_cheaper_side(n, m, side):
 @pytest.mark.parametrize("tol", [1e-3, 1e-5, 1e-7])
 def test_error_estimate_stop_meets_the_tolerance(seed, tol):
     """tol is a target error of A (x) B: the measured error against the dense answer stays below it."""
-    from fisherkron.bench import synthetic_gradients
+    from fisherkron.experiments.synthetic_gradients import synthetic_gradients
     G = synthetic_gradients(9, 6, 12, tokens=8, rho=0.5, seed=seed, dtype=torch.float64).G
     U, S, Vh, _ = _dense_top(G)
     ref = S[0] * torch.outer(U[:, 0], Vh[0])

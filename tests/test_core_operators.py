@@ -126,7 +126,7 @@ def test_identity_products_are_the_gradient_grams(n, m, k):
 
 def test_symmetric_block_products_match_plain(monkeypatch):
     """Several row blocks (forced by a small SYM_BLOCK) give the same symmetric products."""
-    import fisherkron.operators as ops
+    import fisherkron.core.operators as ops
     g = torch.Generator().manual_seed(8)
     G = torch.randn(5, 11, 7, generator=g, dtype=torch.float64)
     Z = torch.randn(11, 11, generator=g, dtype=torch.float64)
@@ -145,7 +145,7 @@ def test_symmetric_block_products_match_plain(monkeypatch):
 @pytest.mark.parametrize("block", [None, 3])
 def test_symmetric_products_are_exactly_symmetric(block, monkeypatch):
     """MFF relies on it: symmetric inputs give bit-for-bit symmetric outputs (one GEMM or row blocks)."""
-    import fisherkron.operators as ops
+    import fisherkron.core.operators as ops
     if block:
         monkeypatch.setattr(ops, "SYM_BLOCK", block)
     g = torch.Generator().manual_seed(9)

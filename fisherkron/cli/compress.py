@@ -14,7 +14,7 @@ CALIBRATION = ("c4", "sst2", "boolq", "trec")
 def _run(args) -> int:
     from tqdm.auto import tqdm
 
-    from . import model_api as api
+    from .. import hf as api
 
     model, tok = api.load_model(args.model)
     causal = args.data == "c4"

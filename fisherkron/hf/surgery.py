@@ -1,23 +1,11 @@
-r"""Model surgery: replace selected ``nn.Linear`` layers by ``LowRankLinear`` (paper Sec. 5-6).
+r"""Model surgery: replace selected ``nn.Linear`` layers by ``LowRankLinear`` (paper Secs. 5-6).
 
-Each selected ``W`` (``n x m``) becomes ``W_2 W_1`` (``n x r``, ``r x m``) by one of
-
-=================  ============================================================
-``svd``            truncated SVD
-``fwsvd``          FWSVD (App. E): left weight ``diag(sqrt(sum_j E[G_ij^2]))``
-``asvd``           ASVD: right weight ``diag(mean|x|^alpha)``
-``svd_llm``        SVD-LLM: right weight ``chol(X X^T)``
-``gfwsvd``         GFWSVD, Theorem 1 / Eq. (4) with ``A, B`` from MFF (Alg. 1)
-``gfwsvd_diag``    App. "Impact of diagonal and non-diagonal elements": ``diag(A), diag(B)`` only
-``gfwsvd_offdiag`` same appendix: the diagonals of ``A, B`` nulled (see below)
-=================  ============================================================
-
-Off-diagonal-only factors have zero trace, so they are indefinite and no
-Cholesky factor exists. The appendix gives no regulariser for them; here the
-nulled diagonal is replaced by ``c * I`` with ``c = mean(diag A)`` (a shift that
-carries no per-unit information) and :func:`fisherkron.regularize` then raises
-``alpha`` as for any factor; the reported alpha of this variant is the total
-shift ``1 + alpha`` in units of ``c``.
+Each selected ``W`` (``n x m``) becomes ``W_2 W_1`` (``n x r``, ``r x m``) by one of the
+methods of :data:`fisherkron.core.methods.METHODS` (SVD, FWSVD, ASVD, SVD-LLM, GFWSVD and
+the appendix ablations ``gfwsvd_diag`` / ``gfwsvd_offdiag``), dispatched through
+:func:`fisherkron.core.methods.factorize_weight`. For the GFWSVD family this module runs
+MFF (Algorithm 1) on the layer's calibration gradients, warm-started from K-FAC when the
+calibration collected it.
 
 Ranks: one rank for every layer (the BERT protocol), a per-layer dict, or a
 target whole-model compression ratio ``1 - params_after / params_before``
@@ -29,23 +17,21 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .calibration import METHOD_STATS, CalibrationStats, select_layers
-from .conventions import FisherkronError
-from .io import _set_module
-from .lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
-from .mff import mff
-from .regularize import regularize
-from .wsvd import asvd, fwsvd, gfwsvd, svd, svd_llm
+from ..core.checks import check_rank
+from ..core.conventions import FisherkronError
+from ..core.factorization import mff
+from ..core.lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
+from ..core.methods import factorize_weight, method as method_row
+from ..core.regularization import MIN_ALPHA
+from .calibration import CalibrationStats, select_layers
 
-__all__ = ["METHODS", "compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport"]
+__all__ = ["compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport"]
 
 log = logging.getLogger(__name__)
 
-METHODS = ("svd", "fwsvd", "asvd", "svd_llm", "gfwsvd", "gfwsvd_diag", "gfwsvd_offdiag")
 @dataclass
 class LayerReport:
     """What happened to one layer. ``alpha_*`` are the regularisation strengths each factor needed."""
@@ -157,50 +143,33 @@ def plan_ranks(model: nn.Module, names: list[str], *, rank: int | None = None,
             mid = 0.5 * (lo + hi)
             lo, hi = (lo, mid) if removed(plan(mid)) >= need else (mid, hi)
         out = plan(hi)
-    for n, r in out.items():
-        N, M = shape[n]
-        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= min(N, M):
-            raise FisherkronError(f"rank {r} exceeds min(n, m)={min(N, M)} for layer {n}" if isinstance(r, int)
-                                  and r > min(N, M) else f"rank {r!r} for layer {n} must be an integer >= 1")
-    return out
-
-
-def _ablate(F: torch.Tensor, part: str) -> tuple[torch.Tensor, float]:
-    """Diagonal-only or off-diagonal-only factor (and the identity shift added, in units of mean diag)."""
-    d = torch.diagonal(F)
-    if part == "diag":
-        return torch.diag(d), 0.0
-    c = float(d.mean())
-    return F - torch.diag(d) + c * torch.eye(F.shape[0], dtype=F.dtype), 1.0
+    return {n: check_rank(r, *shape[n], name=f"layer {n}") for n, r in out.items()}
 
 
 def compress(model: nn.Module, method: str, stats: CalibrationStats | None = None, layers=None, *,
              rank: int | None = None, ranks: dict[str, int] | None = None, ratio: float | None = None,
-             regularization: str = "diag", alpha: float | None = None, min_alpha: float = 1e-3,
+             regularization: str = "diag", alpha: float | None = None, min_alpha: float = MIN_ALPHA,
              asvd_alpha: float = 0.5,
              mff_options: dict | None = None, skip_unprofitable: bool = True,
              progress: bool = False) -> CompressionReport:
     r"""Replace the selected ``nn.Linear`` layers of ``model`` in place by ``LowRankLinear``.
 
-    GFWSVD (Theorem 1, Eq. 4): ``W_r = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}`` with
+    GFWSVD (Theorem 1, Eq. (4)): ``W_r = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}`` with
     ``A (x) B`` from :func:`fisherkron.mff` on the layer's ``k`` batch gradients
     (warm-started from K-FAC) and ``A``/``B`` regularised until Cholesky exists.
 
     Args:
         model: the model; changed in place once every layer has been factorised
             (on an error it is left as it was).
-        method: one of :data:`METHODS`.
+        method: one of :data:`fisherkron.METHODS`.
         stats: calibration statistics (all methods but ``svd`` need them).
         layers: regex/glob pattern(s); default: the layers in ``stats`` (or the paper's).
         rank / ranks / ratio: exactly one: a rank for every layer, ``{name: rank}``,
             or a target whole-model compression ratio.
         regularization: ``"diag"`` (``A + alpha diag A``, the paper) or ``"shrink"``.
         alpha: fixed regularisation strength (default: the smallest that works).
-        min_alpha: where the search for ``alpha`` starts (see :func:`fisherkron.regularize`).
-            Default 1e-3, measured on SmolLM2 (MLP layers of blocks 10-19, rank 256, k=4
-            C4 batches, PTB perplexity 56.8 uncompressed): 392 with the smallest alpha
-            that admits Cholesky (1e-8), 188 / 191 / 201 / 211 / 216 with floors
-            1e-4 / 1e-3 / 1e-2 / 0.1 / 1; plain SVD 2205 (scripts/alpha_floor.py).
+        min_alpha: where the search for ``alpha`` starts (default
+            :data:`~fisherkron.core.regularization.MIN_ALPHA`, where its measurement is described).
         asvd_alpha: ASVD's exponent.
         mff_options: keyword arguments of :func:`fisherkron.mff` (``tol``, ``max_matvecs``, ...).
         skip_unprofitable: keep a layer dense when ``r (n + m) >= n m`` (no saving).
@@ -209,12 +178,11 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
     Returns:
         :class:`CompressionReport` with whole-model and per-layer counts and alphas.
     """
-    if method not in METHODS:
-        raise FisherkronError(f"method {method!r} is unknown; use one of {', '.join(METHODS)}")
-    if method != "svd":
+    row = method_row(method)
+    if row.needs:
         if stats is None:
             raise FisherkronError(f"method {method} needs calibration statistics: pass stats=collect_calibration(...)")
-        for stat in METHOD_STATS[method]:  # what each method reads, stated once in calibration
+        for stat in row.needs:
             stats._need(stat)
     t_all = time.perf_counter()
     if layers is None and stats is not None:
@@ -252,31 +220,22 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             lr.skipped = f"rank {r} saves nothing: r (n + m) >= n m"
             report.layer_params_after += dense
             continue
-        if method == "svd":
-            W2, W1 = svd(W, r, name=name)
-        elif method == "fwsvd":
-            W2, W1 = fwsvd(W, stats.diag_fisher(name), r, name=name)
-        elif method == "asvd":
-            W2, W1 = asvd(W, stats.input_abs_mean(name), r, alpha=asvd_alpha, name=name)
-        elif method == "svd_llm":
-            reg = regularize(stats.xxt(name), alpha=alpha, method=regularization, min_alpha=min_alpha,
-                             name=f"{name}: X X^T")
-            lr.alpha_A = reg.alpha
-            W2, W1 = svd_llm(W, reg, r, name=name)
-        else:
+        given = {}
+        if "diag_fisher" in row.needs:
+            given["diag_fisher"] = stats.diag_fisher(name)
+        if "abs_mean" in row.needs:
+            given["abs_mean"] = stats.input_abs_mean(name)
+        if "xxt" in row.needs:
+            given["xxt"] = stats.xxt(name)
+        if row.kronecker:
             kf = stats.kfac(name) if "kfac" in stats.stats else None
             res = mff(stats.grads_path(name), init=kf, name=name, **opts)
             lr.fisher_share, lr.mff_matvecs, lr.mff_converged = res.fisher_share, res.matvecs, res.converged
-            A, B = res.A, res.B  # (m, m), (n, n)
-            shift = 0.0
-            if method != "gfwsvd":
-                part = "diag" if method == "gfwsvd_diag" else "offdiag"
-                (A, shift), (B, _) = _ablate(A, part), _ablate(B, part)
-            reg = dict(alpha=alpha, method=regularization, min_alpha=min_alpha)
-            regA = regularize(A, name=f"{name}: A (input side, m x m)", **reg)
-            regB = regularize(B, name=f"{name}: B (output side, n x n)", **reg)
-            lr.alpha_A, lr.alpha_B = shift + regA.alpha, shift + regB.alpha
-            W2, W1 = gfwsvd(W, regA, regB, r, name=name)
+            given["A"], given["B"] = res.A, res.B  # (m, m), (n, n)
+        W2, W1 = f = factorize_weight(method, W, r, alpha=alpha, min_alpha=min_alpha,
+                                      regularization=regularization, asvd_alpha=asvd_alpha, layer=name,
+                                      **given)
+        lr.alpha_A, lr.alpha_B = f.alpha_A, f.alpha_B
         new[name] = LowRankLinear.from_factors(W2.to(W.dtype), W1.to(W.dtype),
                                                lin.bias.detach() if has_bias else None).to(W.device)
         lr.params_after = lowrank_params(n, m, r, has_bias)
@@ -284,7 +243,7 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         lr.seconds = time.perf_counter() - t0
     # surgery only once every layer is factorised: an error above leaves the model untouched
     for name, low in new.items():
-        _set_module(model, name, low)
+        model.set_submodule(name, low)
     report.params_after = count_params(model)
     report.seconds = time.perf_counter() - t_all
     expected = before - report.layer_params_before + report.layer_params_after

@@ -16,9 +16,8 @@ import json
 import re
 from pathlib import Path
 
-from .conventions import FisherkronError
-from .io import atomic_directory
-from .models import data_root, package_dir, set_offline_env
+from ..core.conventions import FisherkronError
+from ..env import atomic_directory, data_root, package_dir, set_offline_env
 
 __all__ = ["LOCAL_TASKS", "ZERO_SHOT_TASKS", "write_tasks", "task_dir"]
 
@@ -115,7 +114,7 @@ def write_tasks(out: Path | None = None, force: bool = False) -> Path:
     out = Path(out) if out is not None else task_dir()
     if (out / "DONE").exists() and not force:
         return out
-    with atomic_directory(out, prefix=".tasks-") as tmp:
+    with atomic_directory(out) as tmp:
         _generate(tmp)
         # the YAMLs point at files in `tmp`; rewrite them to the final folder before moving
         for y in tmp.rglob("*.yaml"):

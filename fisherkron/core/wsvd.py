@@ -30,14 +30,45 @@ import logging
 
 import torch
 
-from ._checks import as_tensor, check_finite, check_matrix, check_rank, check_square
+from .checks import as_tensor, check_finite, check_matrix, check_rank, check_square
 from .conventions import FisherkronError
-from .regularize import Regularized, regularize
+from .regularization import MIN_ALPHA, Regularized, regularize
 
-__all__ = ["weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "fisher_weighted_error",
+__all__ = ["Factors", "weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "fisher_weighted_error",
            "transform", "diagonal_floor"]
 
 log = logging.getLogger(__name__)
+
+
+class Factors(tuple):
+    """``(W2, W1)`` with ``W ~= W2 @ W1`` (``n x r``, ``r x m``), and the regularisation each weight needed.
+
+    Unpacks as a pair (``W2, W1 = gfwsvd(...)``); ``alpha_A`` / ``alpha_B`` are the ``alpha`` of
+    :func:`fisherkron.regularize` for the input-side / output-side factor (``None`` where the
+    method has no such factor).
+    """
+
+    def __new__(cls, W2: torch.Tensor, W1: torch.Tensor, alpha_A: float | None = None,
+                alpha_B: float | None = None):
+        self = super().__new__(cls, (W2, W1))
+        self.alpha_A, self.alpha_B = alpha_A, alpha_B
+        return self
+
+    @property
+    def W2(self) -> torch.Tensor:
+        return self[0]
+
+    @property
+    def W1(self) -> torch.Tensor:
+        return self[1]
+
+    @property
+    def rank(self) -> int:
+        return int(self[1].shape[0])
+
+    def __repr__(self) -> str:
+        return (f"Factors(W2={tuple(self[0].shape)}, W1={tuple(self[1].shape)}, "
+                f"alpha_A={self.alpha_A}, alpha_B={self.alpha_B})")
 
 
 def diagonal_floor(d: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
@@ -81,7 +112,7 @@ def _solve_upper_T(Lw: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = torch.float64,
-                 name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+                 name: str = "weight") -> Factors:
     r"""The weighted-SVD kernel, Eq. (4): ``W_2 W_1 = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}``.
 
     Args:
@@ -133,45 +164,53 @@ def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = to
         W1 = SV / LA[None, :]
     else:
         W1 = _solve_upper_T(LA, SV.T).T  # S^1/2 V^T L_A^{-1}
-    return W2.to(out_dtype), W1.to(out_dtype)
+    return Factors(W2.to(out_dtype), W1.to(out_dtype))
 
 
-def _chol(F, size: int, name: str, alpha, method: str, min_alpha: float = 0.0) -> torch.Tensor:
+def _chol(F, size: int, name: str, alpha, method: str, min_alpha: float) -> Regularized:
     if isinstance(F, Regularized):
         check_square(F.L, name, size)
-        return F.L
+        return F
     F = as_tensor(F, name)
     check_square(F, name, size)
     reg = regularize(F, alpha=alpha, method=method, min_alpha=min_alpha, name=name)
     if reg.alpha > 0:
-        log.info("%s needed alpha=%.3g (%s) for a Cholesky factor", name, reg.alpha, method)
-    return reg.L
+        log.debug("%s: alpha=%.3g (%s) for a Cholesky factor", name, reg.alpha, method)
+    return reg
 
 
 def gfwsvd(W, A, B, rank: int, *, alpha: float | None = None, method: str = "diag",
-           min_alpha: float = 0.0, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    r"""GFWSVD (Theorem 1): rank-``r`` ``W ~= W2 W1`` optimal for ``F ~= A (x) B``.
+           min_alpha: float = MIN_ALPHA, name: str = "weight") -> Factors:
+    r"""GFWSVD (Theorem 1, Eq. (4)): rank-``r`` ``W ~= W2 W1`` optimal for ``F ~= A (x) B``.
 
     ``W~ = L_B^T W L_A``, ``U S V^T = SVD_r(W~)``, ``W1 = S^1/2 V^T L_A^{-1}``,
     ``W2 = L_B^{-T} U S^1/2`` with ``A = L_A L_A^T`` (``m x m``, input side) and
-    ``B = L_B L_B^T`` (``n x n``, output side). Factors that are not positive
-    definite are regularised by :func:`fisherkron.regularize` (``alpha``
-    searched from ``min_alpha`` unless given); pass :class:`Regularized` objects to control it.
+    ``B = L_B L_B^T`` (``n x n``, output side).
+
+    GFWSVD owns the regularisation (Sec. 5, "Singularity"): ``A`` and ``B`` are passed
+    through :func:`fisherkron.regularize` with ``alpha`` searched from ``min_alpha``
+    (default :data:`~fisherkron.core.regularization.MIN_ALPHA`) unless ``alpha`` is given,
+    and the ``alpha`` each needed is returned on the :class:`Factors`. Theorem 1's
+    optimum is for the factors actually used; ``min_alpha=0`` gives the optimum for
+    ``A (x) B`` itself whenever both are positive definite. Pass
+    :class:`~fisherkron.Regularized` objects to control the regularisation fully.
     """
     W = as_tensor(W, name)
     check_matrix(W, name)
     n, m = W.shape
-    LA = _chol(A, m, f"{name}: A (input side, m x m)", alpha, method, min_alpha)
-    LB = _chol(B, n, f"{name}: B (output side, n x n)", alpha, method, min_alpha)
-    return weighted_svd(W, rank, left=LB, right=LA, name=name)
+    check_rank(rank, n, m, name)
+    regA = _chol(A, m, f"{name}: A (input side, m x m)", alpha, method, min_alpha)
+    regB = _chol(B, n, f"{name}: B (output side, n x n)", alpha, method, min_alpha)
+    W2, W1 = weighted_svd(W, rank, left=regB.L, right=regA.L, name=name)
+    return Factors(W2, W1, alpha_A=regA.alpha, alpha_B=regB.alpha)
 
 
-def svd(W, rank: int, *, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+def svd(W, rank: int, *, name: str = "weight") -> Factors:
     """Truncated SVD: ``W2 = U S^1/2``, ``W1 = S^1/2 V^T`` (identity weights)."""
     return weighted_svd(W, rank, name=name)
 
 
-def fwsvd(W, fisher_rows, rank: int, *, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+def fwsvd(W, fisher_rows, rank: int, *, name: str = "weight") -> Factors:
     r"""FWSVD (Hsu et al. 2022; paper App. E): left weight ``D = diag(sqrt(sum_j E[G_ij^2]))``.
 
     ``min ||D W - D W2 W1||_F``; equals GFWSVD with ``A = I`` and ``B = D^2``.
@@ -189,7 +228,7 @@ def fwsvd(W, fisher_rows, rank: int, *, name: str = "weight") -> tuple[torch.Ten
     return weighted_svd(W, rank, left=diagonal_floor(f.sqrt()), name=name)
 
 
-def asvd(W, input_abs_mean, rank: int, alpha: float = 0.5, *, name: str = "weight"):
+def asvd(W, input_abs_mean, rank: int, alpha: float = 0.5, *, name: str = "weight") -> Factors:
     r"""ASVD (Yuan et al. 2023): right weight ``S = diag(mean_t |x_t|^alpha)``; ``W ~= (W S)_r S^{-1}``."""
     s = as_tensor(input_abs_mean, "input_abs_mean").double()
     check_finite(s, "input_abs_mean")
@@ -198,16 +237,20 @@ def asvd(W, input_abs_mean, rank: int, alpha: float = 0.5, *, name: str = "weigh
     return weighted_svd(W, rank, right=diagonal_floor(s.abs() ** alpha), name=name)
 
 
-def svd_llm(W, XXt, rank: int, *, alpha: float | None = None, name: str = "weight"):
+def svd_llm(W, XXt, rank: int, *, alpha: float | None = None, method: str = "diag",
+            min_alpha: float = MIN_ALPHA, name: str = "weight") -> Factors:
     r"""SVD-LLM (Wang et al. 2024): whitening ``S = chol(X X^T)``; ``W ~= SVD_r(W S) S^{-1}``.
 
     Truncation-aware: ``||(W - W_r) X||_F`` is minimised. ``X X^T`` (``m x m``) is
-    regularised if it is not positive definite.
+    regularised as GFWSVD's factors are (same ``alpha`` search and floor); the ``alpha`` is
+    returned as ``alpha_A``.
     """
     W = as_tensor(W, name)
     check_matrix(W, name)
-    LA = _chol(XXt, W.shape[1], f"{name}: X X^T (m x m)", alpha, "diag")
-    return weighted_svd(W, rank, right=LA, name=name)
+    check_rank(rank, *W.shape, name)
+    reg = _chol(XXt, W.shape[1], f"{name}: X X^T (m x m)", alpha, method, min_alpha)
+    W2, W1 = weighted_svd(W, rank, right=reg.L, name=name)
+    return Factors(W2, W1, alpha_A=reg.alpha)
 
 
 def fisher_weighted_error(W, W_hat, A, B) -> float:

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from ._checks import as_tensor, check_finite, check_matrix
+from .checks import as_tensor, check_finite, check_matrix
 from .conventions import FisherkronError
 
 __all__ = ["LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio"]

@@ -12,48 +12,20 @@ strictly (tied weights re-tied).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .conventions import FisherkronError
-from .lowrank import LowRankLinear
+from ..core.conventions import FisherkronError
+from ..core.lowrank import LowRankLinear
+from ..env import atomic_directory
 
 __all__ = ["save_compressed", "load_compressed", "MANIFEST"]
 
 MANIFEST = "fisherkron.json"
 FORMAT = "fisherkron-lowrank/1"
-
-
-@contextmanager
-def atomic_directory(out: Path, prefix: str | None = None):
-    """Yield a temporary folder beside ``out``; on success it replaces ``out`` in one rename.
-
-    An error (or an interruption) leaves ``out`` as it was and removes the temporary folder.
-    """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=prefix or f".{out.name}-", dir=out.parent))
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
@@ -63,7 +35,7 @@ def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
     Written under a temporary name and moved into place; an existing folder
     is replaced only if it is itself a fisherkron folder (or empty).
     """
-    from . import __version__
+    from .. import __version__
 
     out = Path(directory)
     if out.exists() and any(out.iterdir()) and not (out / MANIFEST).exists():
@@ -109,7 +81,7 @@ def load_compressed(directory, *, dtype: torch.dtype | None = None, return_token
     with no_init_weights():
         model = cls(config)
     for name, spec in meta["layers"].items():
-        _set_module(model, name, LowRankLinear(spec["m"], spec["n"], spec["rank"], bias=spec["bias"]))
+        model.set_submodule(name, LowRankLinear(spec["m"], spec["n"], spec["rank"], bias=spec["bias"]))
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise FisherkronError(f"{d} holds no .safetensors file")

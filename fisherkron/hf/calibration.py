@@ -37,10 +37,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .conventions import FisherkronError
-from .io import atomic_directory
-from .kfac import KFACFactors
-from .models import DEFAULT_LAYERS, data_root
+from ..core.conventions import FisherkronError
+from ..core.kfac import KFACFactors
+from ..core.methods import METHODS
+from ..env import TMP_PREFIX, atomic_directory, data_root
+from .registry import DEFAULT_LAYERS
 
 __all__ = ["select_layers", "collect_calibration", "CalibrationStats", "CODE_VERSION", "METHOD_STATS"]
 
@@ -50,9 +51,7 @@ CODE_VERSION = "calibration-1"  # bump when the meaning of a cached file changes
 STATS = ("grads", "diag_fisher", "abs_mean", "xxt", "kfac")
 # what each compression method reads; K-FAC (the MFF warm start) and X X^T cost
 # about as much as the forward + backward pass itself, so collect only what is used
-METHOD_STATS = {"svd": (), "fwsvd": ("diag_fisher",), "asvd": ("abs_mean",), "svd_llm": ("xxt",),
-                "gfwsvd": ("grads",), "gfwsvd_diag": ("grads",), "gfwsvd_offdiag": ("grads",),
-                "kfac": ("kfac",)}
+METHOD_STATS = {**{name: m.needs for name, m in METHODS.items()}, "kfac": ("kfac",)}
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -150,10 +149,6 @@ class CalibrationStats:
         self._need("diag_fisher")
         return self._load(name, "diag_fisher")
 
-    def fisher_rows(self, name: str) -> torch.Tensor:
-        """``sum_j E[G_ij^2]`` (``n``), FWSVD's row importances."""
-        return self.diag_fisher(name).sum(dim=1)
-
     def input_abs_mean(self, name: str) -> torch.Tensor:
         """``mean_t |x_t|`` (``m``), ASVD's activation scale."""
         self._need("abs_mean")
@@ -172,12 +167,6 @@ class CalibrationStats:
 
 
 # ----------------------------------------------------------------------------- cache
-
-def _blake(data: bytes, h=None):
-    h = h or hashlib.blake2b(digest_size=20)
-    h.update(data)
-    return h
-
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().cpu().contiguous()
@@ -220,7 +209,7 @@ def _file_hash(path: Path) -> str:
 
 
 def _code_version() -> str:
-    from . import __version__
+    from .. import __version__
     src = Path(__file__).read_bytes()
     return f"{__version__}/{CODE_VERSION}/{hashlib.blake2b(src, digest_size=8).hexdigest()}"
 
@@ -334,7 +323,7 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         return info
 
     if not cache:  # a private folder, removed when the returned object is garbage-collected
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:8]}-", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}private-{key[:8]}-", dir=root))
         try:
             layer_info = write(tmp)
         except BaseException:
@@ -343,7 +332,7 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         out = CalibrationStats(tmp, layer_info, k, key, config, stats, from_cache=False)
         weakref.finalize(out, shutil.rmtree, str(tmp), True)
         return out
-    with atomic_directory(final, prefix=f".tmp-{key[:8]}-") as tmp:
+    with atomic_directory(final) as tmp:
         layer_info = write(tmp)
     return CalibrationStats(final, layer_info, k, key, config, stats, from_cache=False)
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_finite
+from .checks import check_finite
 from .conventions import FisherkronError
 
 __all__ = ["KFACFactors", "kfac_factors"]

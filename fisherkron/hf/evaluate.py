@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .conventions import FisherkronError
+from ..core.conventions import FisherkronError
 
 __all__ = ["PerplexityResult", "perplexity", "classification_metrics", "predict_classifier",
            "evaluate_classifier", "run_lm_eval"]
@@ -185,7 +185,7 @@ def run_lm_eval(model, tokenizer, tasks, *, num_fewshot: int | None = 0, limit: 
     from lm_eval.tasks import TaskManager
 
     from .lm_eval_tasks import write_tasks
-    from .models import set_offline_env
+    from ..env import set_offline_env
 
     if isinstance(tasks, str):
         tasks = [tasks]

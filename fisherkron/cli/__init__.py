@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-from .conventions import FisherkronError
+from ..core.conventions import FisherkronError
 
 __all__ = ["main"]
 
 
 def _factorize(args) -> int:
-    from .mff import mff
+    from ..core.factorization import mff
 
     res = mff(args.grads, tol=args.tol, terms=args.terms,
               dtype=torch.float64 if args.float64 else torch.float32,
@@ -47,12 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--memory-gb", type=float, default=None, help="memory budget; larger inputs are streamed")
     f.add_argument("--float64", action="store_true", help="compute in float64 (slower, reference accuracy)")
     f.set_defaults(func=_factorize)
-    try:
-        from .compress_cli import add_compress_command  # model-level command (needs the model API)
-    except ImportError:
-        pass
-    else:
-        add_compress_command(sub)
+    from .compress import add_compress_command
+    add_compress_command(sub)
     return p
 
 
@@ -65,6 +60,3 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"fisherkron: error: {exc}\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

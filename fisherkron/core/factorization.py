@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import check_square
+from .checks import check_square
 from .conventions import FisherkronError
 from .operators import GradientStack, RearrangedFisher, _single_thread
 

@@ -9,7 +9,7 @@ Notebooks (``notebooks/``) call these helpers so that every artefact in
   notebook parameters, the machine, the library versions and the wall time.
 
 Every file is written to a temporary name in the destination folder and moved
-into place with :func:`os.replace`, so an interrupted run never leaves a
+into place (:func:`fisherkron.env.atomic_write`), so an interrupted run never leaves a
 half-written artefact behind. Relative output folders are resolved against the
 repository root (the folder holding ``pyproject.toml``), so a notebook gives
 the same paths whether it runs from the repository root (``make``) or from
@@ -23,15 +23,15 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .conventions import FisherkronError
+from ..core.conventions import FisherkronError
+from ..env import atomic_write
 
-__all__ = ["repo_root", "output_dir", "atomic_write", "save_figure", "save_table", "provenance",
+__all__ = ["repo_root", "output_dir", "save_figure", "save_table", "provenance",
            "write_provenance", "latex_table", "machine_info", "git_commit"]
 
 _T0 = time.perf_counter()  # import time of this module: the start of a notebook's clock by default
@@ -56,39 +56,6 @@ def output_dir(path: str | os.PathLike) -> Path:
         p = repo_root() / p
     p.mkdir(parents=True, exist_ok=True)
     return p
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> Path:
-    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then ``os.replace`` it into place.
-
-    The temporary file keeps ``path``'s suffix (matplotlib and pandas pick the
-    format from it) and is removed if ``write`` raises.
-
-    >>> import tempfile, pathlib
-    >>> d = pathlib.Path(tempfile.mkdtemp())
-    >>> p = atomic_write(d / "x.txt", lambda t: pathlib.Path(t).write_text("hi"))
-    >>> p.read_text(), sorted(f.name for f in d.iterdir())
-    ('hi', ['x.txt'])
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _write_text(path: Path, text: str) -> Path:

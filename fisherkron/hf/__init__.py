@@ -1,0 +1,35 @@
+"""Hugging Face models: the embedded and paper-scale models, data, calibration, surgery, save/load, evaluation.
+
+=================  ======================================================================
+module             what it holds
+=================  ======================================================================
+``registry``       ``load_model``: embedded MiniLM / SmolLM2, local folders, paper-scale hub names
+``data``           calibration and evaluation data that ship inside packages (offline)
+``calibration``    per-batch gradients and the statistics every method reads, cached on disk
+``surgery``        ``compress``: replace ``nn.Linear`` layers by ``LowRankLinear`` (Secs. 5-6)
+``saving``         ``save_compressed`` / ``load_compressed``: safetensors folders
+``evaluate``       perplexity, GLUE-style metrics, lm-eval tasks
+``lm_eval_tasks``  local lm-eval task folders built from packaged data
+=================  ======================================================================
+
+Needs the ``hf`` extra (transformers, safetensors, datasets, ...). Builds on
+:mod:`fisherkron.core` and :mod:`fisherkron.env` only.
+"""
+from .calibration import CalibrationStats, collect_calibration, select_layers
+from .data import c4_documents, classification_batches, lm_batches, load_task, ptb, wiki_text
+from .evaluate import (PerplexityResult, classification_metrics, evaluate_classifier, perplexity,
+                       predict_classifier, run_lm_eval)
+from .lm_eval_tasks import LOCAL_TASKS, write_tasks
+from .registry import EMBEDDED_MODELS, PAPER_MODELS, load_model
+from .saving import load_compressed, save_compressed
+from .surgery import CompressionReport, LayerReport, compress, count_params, plan_ranks
+
+__all__ = [
+    "load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
+    "load_task", "ptb", "wiki_text", "c4_documents", "lm_batches", "classification_batches",
+    "collect_calibration", "select_layers", "CalibrationStats",
+    "compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport",
+    "save_compressed", "load_compressed",
+    "perplexity", "PerplexityResult", "classification_metrics", "predict_classifier",
+    "evaluate_classifier", "run_lm_eval", "write_tasks", "LOCAL_TASKS",
+]
