@@ -27,7 +27,7 @@ from .core import (METHODS, MIN_ALPHA, Factors, FisherkronError, GradientStack, 
                    rank_for_ratio, rearranged_fisher, regularize, svd, svd_llm, unvec, vec,
                    weighted_svd)
 
-__version__ = "0.2.0"
+from ._version import __version__
 
 _HF = ("load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
        "load_task", "ptb", "wiki_text", "c4_documents", "lm_batches", "classification_batches",

@@ -43,7 +43,7 @@
 # the sizes of its synthetic experiment; the "paper" profile is a larger, slower run.
 output_dir = "figures"  # where figures and tables are written (Make passes it); paper: "figures/paper"
 profile = "default"  # name of the parameter profile (recorded in the provenance)
-seeds = 10  # independent data/teacher/init seeds per regime (issue: at least 5); paper: 20
+seeds = 10  # independent data/teacher/init seeds per regime; paper: 20
 covariances = ["isotropic", "anisotropic", "toeplitz"]  # the three regimes; paper: same
 d = 64  # input dimension m of the target layer; paper: 128
 hidden = [128, 128]  # MLP hidden widths; the target layer is d -> hidden[0]; paper: [256, 256]

@@ -12,12 +12,12 @@
 # ---
 
 # %% [markdown]
-# # MFF runtime study (paper Sec. 4.3, Fig. "time_algo", Table "time_algo")
+# # MFF runtime study (paper Sec. 4.2, Fig. time_algo, Tab. time_algo)
 #
 # **Claim.** MFF (Algorithm 1) is tractable for the linear layers of large models: the paper
 # reports 43 s (BERT), 183 s (Llama-2-7B), 249 s (Llama-3.1-8B) and 313 s (Llama-2-13B) per
 # layer on a GPU, and a cost per product with the rearranged Fisher of
-# $\mathcal O(k\,(m n^2 + m^2 n))$ -- exactly $2 k n m (n + m)$ flops (Eq. matvec).
+# $\mathcal O(k\,(m n^2 + m^2 n))$ -- exactly $2 k n m (n + m)$ flops (Eq. (12)).
 #
 # **Experiment.** On the current device we time `fisherkron.mff` (float32 GEMMs, Golub-Kahan-Lanczos
 # from the K-FAC factors, stopped when the estimated error of $A \otimes B$ is below `tol`) on

@@ -136,7 +136,7 @@ print(f"F is {tuple(F.shape)}, eigenvalues in [{evals.min():.2e}, {evals.max():.
 # $\mathrm{vec}$; the paper writes $G\otimes G$ for the transposed layout), so
 # $$\mathcal R(F) = \frac1k \sum_i G_i^\top \otimes G_i^\top,\qquad
 # \mathcal R(F)\,\mathrm{vec}(Z) = \mathrm{vec}\Big(\frac1k\sum_i G_i^\top Z G_i\Big)\quad (Z: n\times n),$$
-# a product that costs a few small matrix products per gradient and never forms $F$ (Eq. (matvec)).
+# a product that costs a few small matrix products per gradient and never forms $F$ (Eq. (12)).
 
 # %%
 def rearrange(F: torch.Tensor, n: int, m: int) -> torch.Tensor:

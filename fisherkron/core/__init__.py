@@ -8,7 +8,7 @@ module                 what it holds
 ``factorization``      MFF, Algorithm 1: ``F ~= A (x) B`` by Lanczos on ``R(F)`` (Sec. 4)
 ``kfac``               K-FAC factors, MFF's warm start
 ``regularization``     making ``A``, ``B`` positive definite (Sec. 5, "Singularity")
-``wsvd``               the weighted SVD: GFWSVD (Theorem 1, Eq. (4)) and its special cases
+``wsvd``               the weighted SVD: GFWSVD (Theorem 1, Eq. (7)) and its special cases
 ``methods``            the compression methods in one table
 ``lowrank``            ``LowRankLinear``: ``W ~= W2 W1`` as a module
 ``checks``             input validation (one-line :class:`FisherkronError`)

@@ -12,7 +12,7 @@ method              needs            factors of ``W`` (``n x m``)
 ``fwsvd``           ``diag_fisher``  FWSVD (App. E): left weight ``diag(sqrt(sum_j E[G_ij^2]))``
 ``asvd``            ``abs_mean``     ASVD: right weight ``diag(mean|x|^alpha)``
 ``svd_llm``         ``xxt``          SVD-LLM: right weight ``chol(X X^T)``
-``gfwsvd``          ``grads``        GFWSVD, Theorem 1 / Eq. (4), ``A (x) B`` from MFF (Alg. 1)
+``gfwsvd``          ``grads``        GFWSVD, Theorem 1 / Eq. (7), ``A (x) B`` from MFF (Alg. 1)
 ``gfwsvd_diag``     ``grads``        App. "Impact of diagonal and non-diagonal elements": ``diag(A), diag(B)``
 ``gfwsvd_offdiag``  ``grads``        same appendix: the diagonals of ``A, B`` nulled (see :func:`ablate`)
 ==================  ===============  ==========================================================

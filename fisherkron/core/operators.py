@@ -1,4 +1,4 @@
-r"""Matrix-free rearranged Fisher (paper Sec. 4.1, Eq. (matvec), Appendices B-C).
+r"""Matrix-free rearranged Fisher (paper Sec. 4.1, Eq. (12), Appendices B-C).
 
 For per-batch gradients ``G_i`` (``n x m``) the empirical Fisher
 ``F = (1/k) sum_i vec(G_i) vec(G_i)^T`` is rearranged (Van Loan-Pitsianis)
@@ -363,8 +363,8 @@ class GradientStack:
 class RearrangedFisher(spla.LinearOperator):
     r"""``R(F) = (1/k) sum_i G_i^T (x) G_i^T`` as a scipy ``LinearOperator`` (``m^2 x n^2``).
 
-    ``matvec(vec(Z)) = vec((1/k) sum_i G_i^T Z G_i)`` (Eq. matvec) and
-    ``rmatvec(vec(Y)) = vec((1/k) sum_i G_i Y G_i^T)`` (Eq. rmatvec), with
+    ``matvec(vec(Z)) = vec((1/k) sum_i G_i^T Z G_i)`` (Eq. (12)) and
+    ``rmatvec(vec(Y)) = vec((1/k) sum_i G_i Y G_i^T)`` (Eq. (23)), with
     column-major ``vec``. The matrix forms :meth:`apply` and
     :meth:`apply_adjoint` work on torch tensors on the gradients' device and
     are what :func:`fisherkron.mff` uses. ``num_matvecs`` counts applications.

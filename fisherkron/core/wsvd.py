@@ -1,7 +1,7 @@
 r"""Weighted SVD compression: GFWSVD (paper Sec. 5, Theorem 1) and its special cases.
 
 One kernel serves every method. With a left weight ``L_B`` (``n x n``, output
-side) and a right weight ``L_A`` (``m x m``, input side), Theorem 1 / Eq. (4):
+side) and a right weight ``L_A`` (``m x m``, input side), Theorem 1 / Eq. (7):
 
 .. math::
     \widetilde W = L_B^\top W L_A,\quad U S V^\top = \mathrm{SVD}_r(\widetilde W),\quad
@@ -113,7 +113,7 @@ def _solve_upper_T(Lw: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 
 def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = torch.float64,
                  name: str = "weight") -> Factors:
-    r"""The weighted-SVD kernel, Eq. (4): ``W_2 W_1 = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}``.
+    r"""The weighted-SVD kernel, Eq. (7): ``W_2 W_1 = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}``.
 
     Args:
         W: ``(n, m)`` weight (out x in).
@@ -181,7 +181,7 @@ def _chol(F, size: int, name: str, alpha, method: str, min_alpha: float) -> Regu
 
 def gfwsvd(W, A, B, rank: int, *, alpha: float | None = None, method: str = "diag",
            min_alpha: float = MIN_ALPHA, name: str = "weight") -> Factors:
-    r"""GFWSVD (Theorem 1, Eq. (4)): rank-``r`` ``W ~= W2 W1`` optimal for ``F ~= A (x) B``.
+    r"""GFWSVD (Theorem 1, Eq. (7)): rank-``r`` ``W ~= W2 W1`` optimal for ``F ~= A (x) B``.
 
     ``W~ = L_B^T W L_A``, ``U S V^T = SVD_r(W~)``, ``W1 = S^1/2 V^T L_A^{-1}``,
     ``W2 = L_B^{-T} U S^1/2`` with ``A = L_A L_A^T`` (``m x m``, input side) and

@@ -121,7 +121,7 @@ def bench_case(name: str, G: torch.Tensor, kfac: KFACFactors | None, *, peak: fl
                identity: bool = True, device=None) -> dict:
     """Time fisherkron's MFF and the authors' approach on the same ``(k, n, m)`` gradients.
 
-    fisherkron runs from the K-FAC start (``ours_*``; the issue's setting) and
+    fisherkron runs from the K-FAC start (``ours_*``) and
     from its default identity start (``ident_*``, with ``identity``), each ``repeats`` times
     (median wall time reported); the authors' approach runs once as their
     scripts do (float64 operator; ``authors_*``) and, with ``authors_f32``,

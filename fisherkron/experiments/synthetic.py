@@ -164,7 +164,7 @@ def target_linear(model: nn.Sequential, index: int) -> tuple[int, nn.Linear]:
 
 def batch_gradients(model: nn.Sequential, layer: int, X: torch.Tensor, y: torch.Tensor, k: int,
                     batch_size: int, *, seed: int = 0) -> torch.Tensor:
-    r"""``k`` per-batch gradients ``G_i = dL_i/dW`` of the target layer (Eq. (J)): ``(k, n, m)``.
+    r"""``k`` per-batch gradients ``G_i = dL_i/dW`` of the target layer (Eq. (8)): ``(k, n, m)``.
 
     ``L_i`` is the mean cross-entropy (true labels: the empirical Fisher) on
     batch ``i`` of ``batch_size`` examples drawn without replacement (with

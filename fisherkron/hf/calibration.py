@@ -3,7 +3,7 @@ r"""Calibration statistics of linear layers (paper Sec. 4-5 "Factor estimation",
 For every selected ``nn.Linear`` (``y = W x``, ``W`` is ``n x m``) and ``k``
 calibration batches, one pass of forward + backward per batch records
 
-* ``G_i = dL_i / dW`` (``n x m``), the per-batch weight gradient of Eq. (5)
+* ``G_i = dL_i / dW`` (``n x m``), the per-batch weight gradient of Eq. (8)
   ``I_F = (1/k) sum_i vec(G_i) vec(G_i)^T`` -- written to ``<layer>.grads.npy``
   of shape ``(k, n, m)`` float32, opened with mmap by :func:`fisherkron.mff`, so
   at most one layer's ``k`` gradients are in RAM while it is factorised;
@@ -209,7 +209,7 @@ def _file_hash(path: Path) -> str:
 
 
 def _code_version() -> str:
-    from .. import __version__
+    from .._version import __version__
     src = Path(__file__).read_bytes()
     return f"{__version__}/{CODE_VERSION}/{hashlib.blake2b(src, digest_size=8).hexdigest()}"
 
@@ -252,7 +252,7 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
                         verify_cache: bool = True, progress: bool = False) -> CalibrationStats:
     r"""Per-batch gradients ``G_i`` and baseline statistics of the selected linear layers.
 
-    Eq. (5): ``I_F = (1/k) sum_i vec(G_i) vec(G_i)^T`` with ``G_i = dL_i/dW`` the
+    Eq. (8): ``I_F = (1/k) sum_i vec(G_i) vec(G_i)^T`` with ``G_i = dL_i/dW`` the
     gradient of the mean loss of batch ``i`` (one gradient per batch, the
     paper's protocol). See the module docstring for the other statistics.
 

@@ -35,7 +35,7 @@ def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
     Written under a temporary name and moved into place; an existing folder
     is replaced only if it is itself a fisherkron folder (or empty).
     """
-    from .. import __version__
+    from .._version import __version__
 
     out = Path(directory)
     if out.exists() and any(out.iterdir()) and not (out / MANIFEST).exists():

@@ -154,7 +154,7 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
              progress: bool = False) -> CompressionReport:
     r"""Replace the selected ``nn.Linear`` layers of ``model`` in place by ``LowRankLinear``.
 
-    GFWSVD (Theorem 1, Eq. (4)): ``W_r = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}`` with
+    GFWSVD (Theorem 1, Eq. (7)): ``W_r = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}`` with
     ``A (x) B`` from :func:`fisherkron.mff` on the layer's ``k`` batch gradients
     (warm-started from K-FAC) and ``A``/``B`` regularised until Cholesky exists.
 

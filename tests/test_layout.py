@@ -1,0 +1,111 @@
+"""The package's layers, checked on its import graph (read from the source, nothing imported).
+
+core  <-  env  <-  hf  <-  experiments  <-  cli      (and _version, importable from all)
+Each layer may import only from the layers to its left; the core needs only torch, numpy,
+scipy and tqdm besides the standard library.
+"""
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "fisherkron"
+#: allowed fisherkron layers per layer ("top" = the top-level modules __init__ and testing)
+ALLOWED = {
+    "_version": set(),
+    "core": {"core"},
+    "env": {"core", "env"},
+    "testing": {"core", "testing"},
+    "hf": {"core", "env", "hf"},
+    "experiments": {"core", "env", "hf", "experiments"},
+    "cli": {"core", "env", "hf", "experiments", "cli"},
+    "__init__": {"core", "env", "hf", "__init__"},
+}
+CORE_THIRD_PARTY = {"torch", "numpy", "scipy", "tqdm"}
+
+
+def _layer(path: Path) -> str:
+    rel = path.relative_to(PKG)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(path: Path, root: Path = PKG.parent):
+    """``(absolute module name, line)`` of every import in ``path``, relative ones resolved."""
+    package = list(path.relative_to(root).parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                if node.module is None:  # from . import x: each x may be a module
+                    for a in node.names:
+                        yield f"{mod}.{a.name}", node.lineno
+                    continue
+                yield mod, node.lineno
+            else:
+                yield node.module, node.lineno
+
+
+def _fisherkron_layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "fisherkron":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+SOURCES = sorted(PKG.rglob("*.py"))
+
+
+def test_every_module_belongs_to_a_known_layer():
+    assert {_layer(p) for p in SOURCES} <= set(ALLOWED)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PKG)))
+def test_layers_import_only_downwards(path):
+    layer = _layer(path)
+    bad = [(mod, line) for mod, line in _imports(path)
+           if (target := _fisherkron_layer(mod)) is not None and target not in ALLOWED[layer] | {"_version"}]
+    assert not bad, f"{path.relative_to(PKG)} ({layer}) imports from above its layer: {bad}"
+
+
+@pytest.mark.parametrize("path", sorted((PKG / "core").rglob("*.py")), ids=lambda p: p.name)
+def test_core_needs_only_torch_numpy_scipy_tqdm(path):
+    stdlib = set(sys.stdlib_module_names)
+    bad = [(mod, line) for mod, line in _imports(path)
+           if mod.split(".")[0] not in stdlib | CORE_THIRD_PARTY | {"fisherkron"}]
+    assert not bad, f"core module {path.name} imports {bad}"
+
+
+def test_the_layer_check_sees_a_planted_upward_import(tmp_path):
+    """The graph reader is not vacuous: upward imports planted in a core file are found."""
+    src = tmp_path / "fisherkron" / "core" / "x.py"
+    src.parent.mkdir(parents=True)
+    src.write_text("from ..hf import registry\nfrom .. import env\nimport fisherkron.cli\nfrom .wsvd import svd\n")
+    got = [_fisherkron_layer(m) for m, _ in _imports(src, tmp_path)]
+    assert got == ["hf", "env", "cli", "core"]
+
+
+def test_no_function_shadows_a_module_of_the_same_name():
+    import importlib
+
+    import fisherkron
+
+    for name in fisherkron.__all__:
+        if name.startswith("__"):
+            continue
+        for sub in ("", ".core", ".hf"):
+            spec = importlib.util.find_spec(f"fisherkron{sub}.{name}") if sub or name else None
+            assert spec is None, f"fisherkron{sub}.{name} is both a public name and a module"
+
+
+def test_import_fisherkron_does_not_import_the_hugging_face_layer():
+    import subprocess
+
+    code = ("import sys, fisherkron; bad = [m for m in ('transformers', 'fisherkron.hf', 'datasets', "
+            "'matplotlib', 'pandas') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
