@@ -12,6 +12,7 @@ model registry to find a path.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -23,7 +24,7 @@ from typing import Any
 
 from .core.conventions import FisherkronError
 
-__all__ = ["REPO_ROOT", "data_root", "set_offline_env", "hub_offline", "OFFLINE_VARS", "package_dir",
+__all__ = ["REPO_ROOT", "data_root", "set_offline_env", "hub_offline", "OFFLINE_VARS", "offline_advice", "package_dir",
            "require", "atomic_path", "stale_temporaries", "remove_stale_temporaries", "atomic_write", "atomic_directory", "TMP_PREFIX"]
 
 #: The checkout this package was imported from (editable install) or its site-packages parent.
@@ -42,12 +43,14 @@ def data_root() -> Path:
 def set_offline_env(hub: bool = False) -> None:
     """Default the offline switches on and ``HF_HOME`` to ``data/hf_home``.
 
-    Only defaults are set (a user's own setting wins). With ``hub=True`` (the paper
-    profile with hub access) nothing is forced offline.
+    Only defaults are set: a user's own setting wins, and a user who switched any of the
+    three off (``HF_HUB_OFFLINE=0``) asked for the hub, so the others are left unset too.
+    With ``hub=True`` (the paper profile with hub access) nothing is forced offline.
     """
     os.environ.setdefault("HF_HOME", str(data_root() / "hf_home"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not hub:
+    asked_for_hub = any(v in os.environ and not _truthy(os.environ[v]) for v in OFFLINE_VARS)
+    if not hub and not asked_for_hub:
         for var in OFFLINE_VARS:
             os.environ.setdefault(var, "1")
 
@@ -59,6 +62,14 @@ def _truthy(value: str | None) -> bool:
 def hub_offline() -> bool:
     """True when any offline switch says the Hugging Face hub must not be contacted."""
     return any(_truthy(os.environ.get(v)) for v in OFFLINE_VARS)
+
+
+def offline_advice() -> str:
+    """How to reach the hub from here: which switches are on, and the setting that turns all off."""
+    on = [f"{v}={os.environ[v]}" for v in OFFLINE_VARS if _truthy(os.environ.get(v))]
+    return (f"the hub is switched off here ({', '.join(on) or 'no switch set'}); to use it, start Python "
+            f"with all three switched off: HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=0 HF_DATASETS_OFFLINE=0 "
+            f"(with make: make <target> HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=0 HF_DATASETS_OFFLINE=0)")
 
 
 def package_dir(module: str, install: str) -> Path:
@@ -91,15 +102,16 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False, replace: bo
     format from it). For a folder (``directory=True``) an existing ``path`` is removed just
     before the rename when ``replace`` is true; callers decide beforehand whether that folder
     may be replaced. An error or an interruption leaves ``path`` as it was and removes the
-    temporary path; one killed by SIGKILL leaves a ``.fisherkron-tmp-*`` name behind, which
-    :func:`stale_temporaries` finds.
+    temporary path; one killed by SIGKILL leaves a ``.fisherkron-tmp-<pid>-*`` name behind,
+    which :func:`stale_temporaries` finds once that process is gone.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f"{TMP_PREFIX}{os.getpid()}-{path.stem if not directory else path.name}-"
     if directory:
-        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{path.name}-", dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=path.parent))
     else:
-        fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.stem}-", suffix=path.suffix, dir=path.parent)
+        fd, name = tempfile.mkstemp(prefix=prefix, suffix=path.suffix, dir=path.parent)
         os.close(fd)
         tmp = Path(name)
     try:
@@ -137,29 +149,83 @@ def atomic_directory(out: str | os.PathLike, *, replace: bool = True):
     return atomic_path(out, directory=True, replace=replace)
 
 
-def stale_temporaries(folder: str | os.PathLike, *, older_than_s: float = 3600.0) -> list[Path]:
-    """The package's own temporary files and folders in ``folder`` older than ``older_than_s``.
+def temporary_name(stem: str) -> str:
+    """The prefix of a temporary file or folder this process writes: ``.fisherkron-tmp-<pid>-<stem>-``."""
+    return f"{TMP_PREFIX}{os.getpid()}-{stem}-"
 
-    Left behind only by a process killed without a chance to clean up (SIGKILL, power loss).
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """The package's temporary files and folders in ``folder`` whose writing process is gone.
+
+    Left behind only by a process killed without a chance to clean up (SIGKILL, power loss,
+    a crash); the process id in the name tells a live writer's (left alone) from a dead one's.
     """
-    import time
-
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    now = time.time()
-    return sorted(p for p in folder.iterdir()
-                  if p.name.startswith(TMP_PREFIX) and now - p.stat().st_mtime > older_than_s)
+    stale = []
+    for p in folder.iterdir():
+        if not p.name.startswith(TMP_PREFIX):
+            continue
+        pid = p.name[len(TMP_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not _pid_alive(int(pid)):
+            stale.append(p)
+    return sorted(stale)
 
 
-def remove_stale_temporaries(folder: str | os.PathLike, *, older_than_s: float = 3600.0) -> int:
-    """Remove :func:`stale_temporaries` of ``folder``; return the bytes reclaimed."""
-    freed = 0
-    for p in stale_temporaries(folder, older_than_s=older_than_s):
+def remove_stale_temporaries(folder: str | os.PathLike) -> tuple[int, int]:
+    """Remove :func:`stale_temporaries` of ``folder``; return ``(entries removed, bytes reclaimed)``."""
+    freed, count = 0, 0
+    for p in stale_temporaries(folder):
         files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
         freed += sum(f.stat().st_size for f in files if f.exists())
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-    return freed
+        count += 1
+    return count, freed
+
+
+def file_checksum(path: str | os.PathLike) -> str:
+    """blake2b (20 bytes) of a file's contents, read in 8 MiB chunks."""
+    h = hashlib.blake2b(digest_size=20)
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 23), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises ``KeyboardInterrupt`` so ``finally`` clean-ups run.
+
+    ``kill`` (SIGTERM, what batch schedulers and ``timeout`` send) would otherwise end the
+    process at once and leave temporary folders behind. Only the main thread can install
+    a handler; elsewhere the block runs unchanged.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"terminated by signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _umask() -> int:

@@ -1,6 +1,8 @@
 """Input validation shared by the core: every failure is a one-line FisherkronError."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .conventions import FisherkronError
@@ -38,6 +40,28 @@ def check_square(t: torch.Tensor, name: str, size: int | None = None) -> None:
         raise FisherkronError(f"{name} must be square, got shape {tuple(t.shape)}")
     if size is not None and t.shape[0] != size:
         raise FisherkronError(f"{name} must be {size} x {size}, got {tuple(t.shape)}")
+
+
+def check_int(value, name: str, *, minimum: int | None = None) -> int:
+    """``value`` as an ``int`` (not a bool), at least ``minimum``; one-line error otherwise."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise FisherkronError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise FisherkronError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_positive(value, name: str, *, below: float | None = None, zero_ok: bool = False) -> float:
+    """``value`` as a finite float > 0 (``>= 0`` with ``zero_ok``) and ``< below``; one-line error otherwise."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise FisherkronError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(x) or x < 0 or (x == 0 and not zero_ok) or (below is not None and x >= below):
+        span = f"{'[0' if zero_ok else '(0'}, {below if below is not None else 'inf'})"
+        raise FisherkronError(f"{name} must be a finite number in {span}, got {value!r}")
+    return x
 
 
 def check_rank(rank: int, n: int, m: int, name: str = "weight") -> int:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checks import check_square
+from .checks import check_int, check_positive, check_square
 from .conventions import FisherkronError
 from .operators import GradientStack, RearrangedFisher, _single_thread
 
@@ -329,8 +329,10 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
         >>> res.A.shape, res.B.shape
         (torch.Size([2, 2]), torch.Size([3, 3]))
     """
-    if terms < 1:
-        raise FisherkronError(f"terms must be >= 1, got {terms}")
+    check_int(terms, "terms", minimum=1)
+    check_int(max_matvecs, "max_matvecs", minimum=1)
+    if tol is not None:
+        check_positive(tol, "tol", below=1.0)
     t0 = time.perf_counter()
     stack = GradientStack.of(grads, dtype, device=device, memory_budget=memory_budget, name=name)
     op = RearrangedFisher(stack)

@@ -172,7 +172,13 @@ class GradientStack:
             path = Path(grads)
             if not path.exists():
                 raise FisherkronError(f"{name}: gradient file {path} does not exist")
-            grads = np.load(path, mmap_mode="r")
+            try:
+                grads = np.load(path, mmap_mode="r")
+            except (OSError, ValueError, EOFError) as exc:  # truncated, not .npy, pickled objects
+                raise FisherkronError(f"{name}: {path} is not a readable .npy array ({exc}); "
+                                      f"recollect the calibration") from None
+            if not np.issubdtype(grads.dtype, np.floating):
+                raise FisherkronError(f"{name}: {path} holds {grads.dtype} values; gradients must be floats")
         if isinstance(grads, torch.Tensor) or isinstance(grads, np.ndarray):
             src = grads
         elif isinstance(grads, Iterable):

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import as_tensor, check_finite, check_square
+from .checks import as_tensor, check_finite, check_positive, check_square
 from .conventions import FisherkronError
 
 __all__ = ["MIN_ALPHA", "Regularized", "regularize", "cholesky"]
@@ -120,16 +120,15 @@ def regularize(factor, alpha: float | None = None, method: str = "diag", *, min_
         ceiling = 1.0
 
     if alpha is not None:
-        Ma = make(float(alpha))
+        alpha = check_positive(alpha, "alpha", zero_ok=True)
+        Ma = make(alpha)
         L = cholesky(Ma)
         if L is None:
             raise FisherkronError(f"{name}: alpha={alpha} ({method}) does not make it positive definite; "
                                   f"pass alpha=None to search")
         return Regularized(Ma, L, float(alpha), method, clipped)
 
-    if min_alpha < 0:
-        raise FisherkronError(f"min_alpha must be >= 0, got {min_alpha}")
-    a = float(min_alpha)
+    a = check_positive(min_alpha, "min_alpha", zero_ok=True)
     while True:
         Ma = make(a)
         L = cholesky(Ma)

@@ -21,13 +21,16 @@ recomputed.
 from __future__ import annotations
 
 import difflib
+import functools
 import fnmatch
 import hashlib
 import json
 import logging
+import math
 import re
 import shutil
 import tempfile
+import types
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +43,8 @@ from tqdm.auto import tqdm
 from ..core.conventions import FisherkronError
 from ..core.kfac import KFACFactors
 from ..core.methods import METHODS
-from ..env import TMP_PREFIX, atomic_directory, data_root
+from ..env import (atomic_directory, data_root, file_checksum, remove_stale_temporaries, sigterm_as_interrupt,
+                   temporary_name)
 from .registry import DEFAULT_LAYERS
 
 __all__ = ["select_layers", "collect_calibration", "CalibrationStats", "CODE_VERSION", "METHOD_STATS"]
@@ -142,7 +146,19 @@ class CalibrationStats:
         return np.load(self.grads_path(name), mmap_mode="r")
 
     def _load(self, name: str, stat: str) -> torch.Tensor:
-        return torch.from_numpy(np.load(self._file(name, stat)))
+        f = self._file(name, stat)
+        try:
+            return torch.from_numpy(np.load(f))
+        except (OSError, ValueError, EOFError) as exc:
+            raise FisherkronError(f"{f} is not a readable .npy array ({exc}); delete {self.dir} and "
+                                  f"collect the calibration again") from None
+
+    def check_weights(self, name: str, module: nn.Module) -> None:
+        """Raise if ``module`` is not the layer the statistics of ``name`` were collected on."""
+        want = self.layers.get(name, {}).get("weights")
+        if want is not None and layer_fingerprint(module) != want:
+            raise FisherkronError(f"the calibration statistics of layer {name} were collected on other weights "
+                                  f"(another model, or this one changed since); collect them for this model")
 
     def diag_fisher(self, name: str) -> torch.Tensor:
         """``E[G o G]`` (``n x m``): the diagonal empirical Fisher (FWSVD)."""
@@ -200,12 +216,85 @@ def data_fingerprint(batches) -> str:
     return h.hexdigest()
 
 
-def _file_hash(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=20)
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 23), b""):
-            h.update(chunk)
+def layer_fingerprint(module: nn.Linear) -> str:
+    """Hash of one linear layer's weight and bias: statistics belong to exactly these weights."""
+    h = hashlib.blake2b(digest_size=12)
+    for t in (module.weight, module.bias):
+        if t is not None:
+            h.update(str(tuple(t.shape)).encode())
+            h.update(_tensor_bytes(t))
     return h.hexdigest()
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+_LIBRARIES = {"torch", "transformers", "numpy", "scipy", "math", "operator", "functools", "builtins"}
+
+
+def _describe(value, depth: int = 0):
+    """A stable, hashable description of a value a loss function depends on, or raise TypeError."""
+    if depth > 6:
+        raise TypeError("nested too deeply")
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [type(value).__name__, [_describe(v, depth + 1) for v in value]]
+    if isinstance(value, dict):
+        return {str(k): _describe(v, depth + 1) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, torch.Tensor):
+        return ["tensor", str(value.dtype), list(value.shape),
+                hashlib.blake2b(_tensor_bytes(value), digest_size=12).hexdigest()]
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, type(functools)):  # a module
+        return ["module", value.__name__]
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)):
+        return loss_key(value, depth + 1)
+    raise TypeError(f"it depends on a {type(value).__name__}")
+
+
+def _code_description(code) -> list:
+    consts = [_code_description(c) if hasattr(c, "co_code") else _describe(c) for c in code.co_consts]
+    return [code.co_code.hex(), consts, list(code.co_names), list(code.co_varnames)]
+
+
+def loss_key(loss_fn, depth: int = 0):
+    """What determines ``loss_fn``'s result, for the cache key: its code, captured values and arguments.
+
+    Functions (lambdas and closures included) are described by their bytecode, constants,
+    default arguments, the values their closures capture and the global values they read;
+    ``functools.partial`` by its function and arguments; tensors by their contents. Raises
+    :class:`TypeError` when something it depends on cannot be described (e.g. a captured
+    model or an object with state), so that it is never cached under a wrong key.
+    """
+    if loss_fn is None:
+        return "model(**batch).loss"
+    if isinstance(loss_fn, types.MethodType):
+        return ["method", _describe(loss_fn.__self__, depth + 1), loss_key(loss_fn.__func__, depth + 1)]
+    if not isinstance(loss_fn, (types.FunctionType, types.BuiltinFunctionType, functools.partial)):
+        raise TypeError(f"it is a {type(loss_fn).__name__} object, whose state cannot be keyed")
+    root = (getattr(loss_fn, "__module__", None) or "").split(".")[0]
+    if root in _LIBRARIES:  # a library function: its name and the library's version determine it
+        import importlib.metadata as md
+        try:
+            version = md.version(root)
+        except md.PackageNotFoundError:
+            version = None
+        return ["library", loss_fn.__module__, getattr(loss_fn, "__qualname__", repr(loss_fn)), version]
+    if isinstance(loss_fn, functools.partial):
+        return ["partial", loss_key(loss_fn.func, depth + 1), _describe(list(loss_fn.args), depth + 1),
+                _describe(dict(loss_fn.keywords), depth + 1)]
+    code = getattr(loss_fn, "__code__", None)
+    if code is None:  # a builtin outside the known libraries
+        return ["builtin", getattr(loss_fn, "__module__", None), getattr(loss_fn, "__qualname__", None)]
+    cells = [_describe(c.cell_contents, depth + 1) for c in (loss_fn.__closure__ or ())]
+    glob = getattr(loss_fn, "__globals__", {})
+    used = {name: _describe(glob[name], depth + 1) for name in code.co_names
+            if name in glob and not isinstance(glob[name], type) and depth < 4}
+    return [loss_fn.__module__, loss_fn.__qualname__, _code_description(code),
+            _describe(list(loss_fn.__defaults__ or ()), depth + 1),
+            _describe(dict(loss_fn.__kwdefaults__ or {}), depth + 1), cells, used]
 
 
 def _code_version() -> str:
@@ -229,7 +318,7 @@ def _read_cache(path: Path, key: str, verify: bool) -> dict | None:
             if not f.exists() or f.stat().st_size != meta["size"]:
                 log.warning("calibration cache %s: %s is missing or truncated; recomputing", path, fname)
                 return None
-            if verify and _file_hash(f) != meta["hash"]:
+            if verify and file_checksum(f) != meta["hash"]:
                 log.warning("calibration cache %s: %s fails its checksum; recomputing", path, fname)
                 return None
         return man
@@ -248,7 +337,8 @@ def _default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None = None, seed: int = 0,
-                        stats=None, methods=None, loss_fn=None, cache: bool = True, cache_dir=None,
+                        stats=None, methods=None, loss_fn=None, loss_name: str | None = None,
+                        cache: bool = True, cache_dir=None,
                         verify_cache: bool = True, progress: bool = False) -> CalibrationStats:
     r"""Per-batch gradients ``G_i`` and baseline statistics of the selected linear layers.
 
@@ -266,6 +356,10 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         stats: subset of ``("grads", "diag_fisher", "abs_mean", "xxt", "kfac")``; default:
             what ``methods`` need, or all of them.
         methods: compression methods to collect for (see ``METHOD_STATS``), e.g. ``("gfwsvd",)``.
+        loss_fn: ``loss_fn(model, batch) -> scalar``; default ``model(**batch).loss``. Its code,
+            captured values and arguments enter the cache key (:func:`loss_key`); one that
+            cannot be described (it captures an object with state) is refused when caching.
+        loss_name: a name unique to ``loss_fn``, used in the cache key instead of its description.
         cache: reuse/write ``<cache_dir>/<key>``; ``cache_dir`` defaults to ``data/cache/calibration``.
         verify_cache: check file checksums before reusing a cache entry.
         progress: show a tqdm bar over batches.
@@ -296,12 +390,30 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     modules = dict(model.named_modules())
     shapes = {n: (modules[n].out_features, modules[n].in_features) for n in names}
 
+    if loss_name is not None:
+        described = ["named", str(loss_name)]
+    else:
+        try:
+            described = loss_key(loss_fn)
+        except TypeError as exc:
+            if cache:
+                raise FisherkronError(f"loss_fn {getattr(loss_fn, '__qualname__', loss_fn)!r} cannot be keyed for "
+                                      f"the calibration cache ({exc}); pass loss_name='a name unique to this "
+                                      f"loss' or cache=False") from None
+            described = None
+    loss_hash = hashlib.blake2b(json.dumps(described, sort_keys=True, default=str).encode(),
+                                digest_size=12).hexdigest()
     config = {"model": model_fingerprint(model), "data": data_fingerprint(batches), "layers": names,
               "k": k, "seed": seed, "stats": sorted(stats), "code": _code_version(),
-              "loss_fn": getattr(loss_fn, "__qualname__", None)}
+              "loss_fn": [getattr(loss_fn, "__qualname__", None), loss_hash]}
     key = hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=16).hexdigest()
 
     root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "calibration"
+    if root.is_dir():
+        count, freed = remove_stale_temporaries(root)
+        if count:
+            log.warning("removed %d temporary folder(s) left by interrupted calibration runs in %s "
+                        "(%.1f MB reclaimed)", count, root, freed / 2**20)
     final = root / key
     if cache:
         man = _read_cache(final, key, verify_cache)
@@ -316,23 +428,25 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         """Collect into ``folder`` and write its manifest; returns the per-layer info."""
         tokens = _collect(model, batches, names, modules, shapes, stats, loss_fn or _default_loss,
                           folder, progress)
-        files = {f.name: {"size": f.stat().st_size, "hash": _file_hash(f)} for f in sorted(folder.glob("*.npy"))}
-        info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n]} for n in names}
+        files = {f.name: {"size": f.stat().st_size, "hash": file_checksum(f)} for f in sorted(folder.glob("*.npy"))}
+        info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n],
+                    "weights": layer_fingerprint(modules[n])} for n in names}
         man = {"key": key, "config": config, "k": k, "layers": info, "files": files}
         (folder / "manifest.json").write_text(json.dumps(man, indent=1))
         return info
 
     if not cache:  # a private folder, removed when the returned object is garbage-collected
-        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}private-{key[:8]}-", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=temporary_name(f"private-{key[:8]}"), dir=root))
         try:
-            layer_info = write(tmp)
+            with sigterm_as_interrupt():
+                layer_info = write(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         out = CalibrationStats(tmp, layer_info, k, key, config, stats, from_cache=False)
         weakref.finalize(out, shutil.rmtree, str(tmp), True)
         return out
-    with atomic_directory(final) as tmp:
+    with sigterm_as_interrupt(), atomic_directory(final) as tmp:
         layer_info = write(tmp)
     return CalibrationStats(final, layer_info, k, key, config, stats, from_cache=False)
 

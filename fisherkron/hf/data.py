@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..core.conventions import FisherkronError
-from ..env import hub_offline, package_dir, set_offline_env
+from ..env import hub_offline, offline_advice, package_dir, set_offline_env
 
 __all__ = [
     "TASKS",
@@ -75,8 +75,8 @@ def _hub(profile: str) -> bool:
         raise FisherkronError(f"profile must be 'default' or 'paper', got {profile!r}")
     if profile == "paper":
         if hub_offline():
-            raise FisherkronError("profile='paper' needs the Hugging Face hub, which is offline here "
-                                  "(HF_HUB_OFFLINE=1); use profile='default' (embedded data)")
+            raise FisherkronError(f"profile='paper' needs the Hugging Face hub: use profile='default' "
+                                  f"(embedded data), or note that {offline_advice()}")
         set_offline_env(hub=True)
         return True
     set_offline_env()

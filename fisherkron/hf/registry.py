@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..core.conventions import FisherkronError
-from ..env import atomic_directory, data_root, hub_offline, package_dir, set_offline_env
+from ..env import atomic_directory, data_root, hub_offline, offline_advice, package_dir, set_offline_env
 
 __all__ = [
     "EMBEDDED_MODELS",
@@ -163,8 +163,7 @@ def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: in
         alt = PAPER_MODELS.get(name)
         if hub is False or (hub is None and hub_offline()):
             hint = f"use the embedded '{alt}'" if alt else "use 'smollm2' or 'minilm'"
-            raise FisherkronError(f"{name} needs the Hugging Face hub, which is offline here "
-                                  f"(HF_HUB_OFFLINE=1); {hint} or set HF_HUB_OFFLINE=0")
+            raise FisherkronError(f"{name} needs the Hugging Face hub: {hint}, or note that {offline_advice()}")
         path, role = name, ("encoder" if alt == "minilm" else "decoder" if alt else None)
     if task is None:
         task = "sequence-classification" if role == "encoder" else "causal-lm"

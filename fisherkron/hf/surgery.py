@@ -205,6 +205,9 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
     opts = dict(mff_options or {})
     new: dict[str, LowRankLinear] = {}
 
+    if stats is not None:  # statistics of other weights would give a plausible-looking wrong model
+        for name in names:
+            stats.check_weights(name, mods[name])
     for name in tqdm(names, desc=f"compress ({method})", disable=not progress):
         t0 = time.perf_counter()
         lin: nn.Linear = mods[name]

@@ -1,0 +1,327 @@
+"""Misuse of the API and of the files the package writes: nothing lost, nothing silently wrong.
+
+Each case is a regression test on tiny random models (tests/tiny_models.py): a bad input is a
+one-line FisherkronError raised before the expensive part, and no file the package did not
+write is ever deleted. The command line has its own cases in tests/test_cli_robustness.py.
+"""
+import copy
+import functools
+import json
+import logging
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import fisherkron as fk
+from fisherkron.core.conventions import FisherkronError
+from fisherkron.env import TMP_PREFIX, offline_advice, set_offline_env, stale_temporaries
+from fisherkron.hf.calibration import collect_calibration
+from fisherkron.hf.registry import load_model
+from fisherkron.hf.saving import MANIFEST, load_compressed, save_compressed
+from fisherkron.hf.surgery import compress
+from fisherkron.testing import FLOAT64
+from tiny_models import tiny_bert, tiny_llama
+
+#: a reload must reproduce the logits it saved: the same float32 weights, the same kernels
+RELOAD = dict(rtol=0, atol=1e-6)
+
+
+def _batches(vocab=97, k=3, B=2, T=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(k):
+        x = torch.randint(1, vocab, (B, T), generator=g)
+        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
+    return out
+
+
+def _one_line(exc) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = tiny_llama()
+    compress(model, "svd", None, rank=2)
+    out = save_compressed(model, tmp_path / "out")
+    return model, out
+
+
+# ---------------------------------------------------------------------------- 1. no data loss
+def test_resaving_needs_overwrite_and_keeps_the_users_files(saved):
+    model, out = saved
+    (out / "NOTES.md").write_text("mine")
+    with pytest.raises(FisherkronError, match="pass overwrite=True") as err:
+        save_compressed(model, out)
+    _one_line(err)
+    assert (out / "NOTES.md").read_text() == "mine" and (out / MANIFEST).exists()
+    model2 = copy.deepcopy(model)
+    with torch.no_grad():
+        model2.model.layers[0].mlp.up_proj.first.weight.mul_(2)
+    save_compressed(model2, out, overwrite=True)
+    assert (out / "NOTES.md").read_text() == "mine"
+    x = _batches(k=1)[0]["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(load_compressed(out)(x).logits, model2(x).logits, **RELOAD)
+
+
+def test_an_overwrite_removes_only_files_the_earlier_save_wrote(saved, tmp_path):
+    model, out = saved
+    tok_file = out / "tokenizer.json"
+    meta = json.loads((out / MANIFEST).read_text())
+    meta["files"]["tokenizer.json"] = {"size": 2, "blake2b": "x"}  # as if the first save had a tokenizer
+    (out / MANIFEST).write_text(json.dumps(meta))
+    tok_file.write_text("{}")
+    (out / "mine.txt").write_text("keep")
+    save_compressed(model, out, overwrite=True)  # no tokenizer this time
+    assert not tok_file.exists() and (out / "mine.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("case", ["file", "foreign folder"])
+def test_saving_onto_a_file_or_a_foreign_folder_is_refused_before_any_work(case, tmp_path, monkeypatch):
+    model = tiny_llama()
+    target = tmp_path / "t"
+    if case == "file":
+        target.write_text("data")
+    else:
+        target.mkdir()
+        (target / "paper.pdf").write_text("x")
+    monkeypatch.setattr(type(model), "save_pretrained", lambda *a, **k: pytest.fail("wrote before checking"))
+    with pytest.raises(FisherkronError) as err:
+        save_compressed(model, target, overwrite=True)
+    assert ("is a file" if case == "file" else "not a fisherkron folder") in _one_line(err)
+    assert (target.read_text() == "data") if case == "file" else (target / "paper.pdf").exists()
+
+
+def test_a_failed_overwrite_leaves_the_earlier_save_loadable(saved, monkeypatch):
+    model, out = saved
+    before = sorted(p.name for p in out.iterdir())
+
+    def boom(self, *a, **k):
+        raise RuntimeError("disk full")
+    monkeypatch.setattr(type(model), "save_pretrained", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_compressed(model, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(TMP_PREFIX)]
+    load_compressed(out)
+
+
+# ---------------------------------------------------------------------------- 2. never silently wrong
+def test_plain_transformers_refuses_a_factorised_folder_and_names_load_compressed(saved):
+    _, out = saved
+    with pytest.raises(ValueError, match="fisherkron.load_compressed"):
+        transformers.AutoModelForCausalLM.from_pretrained(out)
+    with pytest.raises(ValueError, match="fisherkron.load_compressed"):
+        transformers.AutoConfig.from_pretrained(out)
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_merged_folder_loads_correctly_in_plain_transformers(kind, tmp_path):
+    model = tiny_llama(tie_word_embeddings=True) if kind == "llama" else tiny_bert()
+    compress(model, "svd", None, rank=3)
+    x = torch.randint(1, 20, (2, 7))
+    with torch.no_grad():
+        ref = model(x).logits
+    out = save_compressed(model, tmp_path / "merged", merged=True)
+    assert sum(isinstance(m, fk.LowRankLinear) for m in model.modules()) > 0  # the model itself untouched
+    auto = transformers.AutoModelForCausalLM if kind == "llama" else transformers.AutoModelForSequenceClassification
+    plain = auto.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x).logits, ref, rtol=1e-5, atol=1e-5)  # W2 @ W1 re-associated
+        torch.testing.assert_close(load_compressed(out)(x).logits, plain(x).logits, **RELOAD)
+    assert json.loads((out / MANIFEST).read_text())["form"] == "merged"
+
+
+def _loss_scaled(model, batch, scale=1.0):
+    return scale * model(**batch).loss
+
+
+def test_cache_keys_differ_for_partials_and_lambdas_with_other_arguments(tmp_path):
+    model, b = tiny_llama(), _batches()
+    run = functools.partial(collect_calibration, model, b, "model.layers.0.mlp.up_proj", stats=("diag_fisher",),
+                            cache_dir=tmp_path)
+    one = run(loss_fn=functools.partial(_loss_scaled, scale=1.0))
+    two = run(loss_fn=functools.partial(_loss_scaled, scale=2.0))
+    assert one.key != two.key and not two.from_cache
+    n = "model.layers.0.mlp.up_proj"
+    torch.testing.assert_close(two.diag_fisher(n), 4 * one.diag_fisher(n), rtol=1e-6, atol=0)
+    c1, c2 = 1.0, 3.0
+    l1 = run(loss_fn=lambda m, x: c1 * m(**x).loss)
+    l2 = run(loss_fn=lambda m, x: c2 * m(**x).loss)
+    assert l1.key != l2.key
+    again = run(loss_fn=functools.partial(_loss_scaled, scale=2.0))
+    assert again.from_cache and again.key == two.key
+
+
+def test_a_loss_that_cannot_be_keyed_is_refused_for_the_cache_but_runs_without_it(tmp_path):
+    model, b = tiny_llama(), _batches()
+    other = tiny_bert()  # captured state: no stable description
+
+    def loss(m, x):
+        return m(**x).loss + 0.0 * sum(p.sum() for p in other.parameters())
+    with pytest.raises(FisherkronError, match="loss_name=") as err:
+        collect_calibration(model, b, "model.layers.0.mlp.up_proj", stats=("diag_fisher",), loss_fn=loss,
+                            cache_dir=tmp_path)
+    _one_line(err)
+    st = collect_calibration(model, b, "model.layers.0.mlp.up_proj", stats=("diag_fisher",), loss_fn=loss,
+                             cache=False, cache_dir=tmp_path)
+    assert st.k == 3
+    named = collect_calibration(model, b, "model.layers.0.mlp.up_proj", stats=("diag_fisher",), loss_fn=loss,
+                                loss_name="lm loss v1", cache_dir=tmp_path)
+    assert named.from_cache is False
+
+
+def test_statistics_of_another_model_are_refused_by_compress(tmp_path):
+    a, b = tiny_llama(seed=0), tiny_llama(seed=1)
+    st = collect_calibration(a, _batches(), "model.layers.0.mlp.*", methods=("fwsvd",), cache_dir=tmp_path)
+    with pytest.raises(FisherkronError, match="collected on other weights") as err:
+        compress(b, "fwsvd", st, rank=2)
+    _one_line(err)
+    assert not any(isinstance(m, fk.LowRankLinear) for m in b.modules())
+    compress(a, "fwsvd", st, rank=2)  # the right model still works
+
+
+@pytest.mark.parametrize("kw,what", [(dict(tol=-1e-3), "tol"), (dict(tol=float("nan")), "tol"),
+                                     (dict(tol=0.0), "tol"), (dict(tol=2.0), "tol"),
+                                     (dict(max_matvecs=0), "max_matvecs"), (dict(terms=0), "terms"),
+                                     (dict(terms=1.5), "terms")])
+def test_invalid_numbers_for_mff_are_refused(kw, what):
+    with pytest.raises(FisherkronError, match=what) as err:
+        fk.mff(torch.randn(4, 5, 3), **kw)
+    _one_line(err)
+
+
+@pytest.mark.parametrize("kw", [dict(min_alpha=float("nan")), dict(min_alpha=-1.0), dict(alpha=float("nan")),
+                                dict(alpha=-0.5)])
+def test_invalid_regularisation_numbers_are_refused(kw):
+    A = torch.eye(3, dtype=torch.float64)
+    with pytest.raises(FisherkronError, match="alpha") as err:
+        fk.gfwsvd(torch.randn(4, 3, dtype=torch.float64), A, torch.eye(4, dtype=torch.float64), 2, **kw)
+    _one_line(err)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0, float("nan"), -0.2])
+def test_invalid_ratios_are_refused(ratio):
+    with pytest.raises(FisherkronError, match="ratio") as err:
+        compress(tiny_llama(), "svd", None, ratio=ratio)
+    _one_line(err)
+
+
+# ---------------------------------------------------------------------------- 3. damaged files
+def _damage(path, how):
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "bitflip":
+        i = len(data) - 9
+        path.write_bytes(data[:i] + bytes([data[i] ^ 0x10]) + data[i + 1:])
+    else:
+        path.write_text("{ not json")
+
+
+@pytest.mark.parametrize("fname,how", [("model.safetensors", "truncate"), ("model.safetensors", "bitflip"),
+                                       ("config.json", "garbage"), (MANIFEST, "garbage"),
+                                       (MANIFEST, "truncate")])
+def test_a_damaged_saved_folder_is_one_line_error(saved, fname, how):
+    _, out = saved
+    _damage(out / fname, how)
+    with pytest.raises(FisherkronError) as err:
+        load_compressed(out)
+    assert fname in _one_line(err) or MANIFEST in str(err.value)
+
+
+def test_damaged_config_is_reported_even_without_checksums(saved):
+    _, out = saved
+    (out / "config.json").write_text("[1, 2]")
+    with pytest.raises(FisherkronError, match="config.json") as err:
+        load_compressed(out, verify=False)
+    _one_line(err)
+
+
+@pytest.mark.parametrize("how", ["truncate", "garbage"])
+def test_a_damaged_gradient_file_is_one_line_error(tmp_path, how):
+    f = tmp_path / "g.npy"
+    np.save(f, np.random.default_rng(0).standard_normal((4, 5, 3)).astype(np.float32))
+    _damage(f, how)
+    with pytest.raises(FisherkronError, match="g.npy") as err:
+        fk.mff(f)
+    _one_line(err)
+    np.save(f, np.array(["a", "b"]).reshape(1, 2, 1))
+    with pytest.raises(FisherkronError, match="floats"):
+        fk.mff(f)
+
+
+def test_a_damaged_cache_entry_is_recomputed_not_served(tmp_path):
+    model, b = tiny_llama(), _batches()
+    st = collect_calibration(model, b, "model.layers.0.mlp.up_proj", stats=("grads",), cache_dir=tmp_path)
+    g = st.grads_path("model.layers.0.mlp.up_proj")
+    ref = np.array(np.load(g))
+    _damage(g, "bitflip")
+    again = collect_calibration(model, b, "model.layers.0.mlp.up_proj", stats=("grads",), cache_dir=tmp_path)
+    assert not again.from_cache
+    np.testing.assert_array_equal(np.load(again.grads_path("model.layers.0.mlp.up_proj")), ref)
+
+
+# ---------------------------------------------------------------------------- 4. interruptions
+def test_sigterm_during_calibration_leaves_no_temporary_folder(tmp_path):
+    model, b = tiny_llama(), _batches(k=4)
+    calls = []
+
+    def loss(m, x):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return m(**x).loss
+    old = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        collect_calibration(model, b, None, stats=("grads",), loss_fn=loss, loss_name="t", cache_dir=tmp_path)
+    assert signal.getsignal(signal.SIGTERM) is old
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_temporaries_of_dead_processes_are_reclaimed(tmp_path, caplog):
+    dead = tmp_path / f"{TMP_PREFIX}999999999-abc-x"
+    (dead / "sub").mkdir(parents=True)
+    (dead / "sub" / "g.npy").write_bytes(b"0" * 4096)
+    live = tmp_path / f"{TMP_PREFIX}{os.getpid()}-def-y"
+    live.mkdir()
+    assert stale_temporaries(tmp_path) == [dead]
+    with caplog.at_level(logging.WARNING, logger="fisherkron"):
+        collect_calibration(tiny_llama(), _batches(k=1), "model.layers.0.mlp.up_proj", stats=("diag_fisher",),
+                            cache_dir=tmp_path)
+    assert not dead.exists() and live.exists()
+    assert any("reclaimed" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------- 5. advice that works
+def test_the_offline_advice_switches_off_every_switch_the_package_sets(monkeypatch):
+    for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+    set_offline_env()  # what the package does on its own
+    with pytest.raises(FisherkronError) as err:
+        load_model("bert-base-uncased")
+    msg = _one_line(err)
+    assert "TRANSFORMERS_OFFLINE=1" in msg and "HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=0" in msg
+    # follow the advice: the package no longer considers the hub off (the download itself then fails here)
+    for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(v, "0")
+    set_offline_env()
+    from fisherkron.env import hub_offline
+    assert not hub_offline()
+    # a user who switched only HF_HUB_OFFLINE off asked for the hub: the package forces nothing back on
+    for v in ("TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(v)
+    set_offline_env()
+    assert not hub_offline() and "TRANSFORMERS_OFFLINE" not in os.environ
+    assert "no switch set" in offline_advice()
+
+
+def test_float64_tolerance_is_shared():
+    assert FLOAT64["rtol"] <= 1e-9  # the named tolerances live in fisherkron.testing
