@@ -3,66 +3,240 @@
 Example (embedded SmolLM2, C4 calibration, 20 % smaller, PTB perplexity before/after)::
 
     fisherkron compress smollm2 --method gfwsvd --ratio 0.2 --k 16 --out data/models/smollm2-gfwsvd-20 --ppl-tokens 4096
+
+A sequence classifier (a folder whose ``config.json`` names a ``*ForSequenceClassification``,
+or ``minilm``) is loaded with its head and calibrated on a classification task::
+
+    fisherkron compress my-sst2-bert/ --data sst2 --rank 64 --out my-sst2-bert-gfwsvd
+
+The order is: check every option; check ``--out``; load the model; check ``--seq-len``
+against its positions; select the layers; plan the ranks (``--dry-run`` stops here and
+prints them); only then read data, calibrate, compress and save.
 """
 from __future__ import annotations
 
 import json
+import logging
+import sys
 
-CALIBRATION = ("c4", "sst2", "boolq", "trec")
+from ..core.conventions import FisherkronError
+from ..core.lowrank import compression_ratio, lowrank_params
+from ..core.methods import METHODS
+from ..core.regularization import MIN_ALPHA
+from . import options as opt
+
+log = logging.getLogger("fisherkron.cli")
+
+CALIBRATION = ("c4",) + opt.CLASSIFICATION_DATA
+DEFAULT_SEQ_LEN = 256
+
+
+def _settings(args) -> dict:
+    """Everything decided from the options and the model's ``config.json`` alone (no model loaded)."""
+    from ..hf.data import TASKS as DATA_TASKS
+
+    if args.out is None and not args.dry_run:
+        raise FisherkronError("--out is required (unless --dry-run)")
+    info = opt.describe_model(args.model)
+    if info.factorised:
+        raise FisherkronError(f"{args.model} holds a model fisherkron already factorised; compress the original "
+                              f"model instead (or a merged save: fisherkron compress --merged)")
+    task = args.task or info.task
+    notes = []  # logged once every check has passed, so that a refused command prints one line
+    if args.task and args.task != info.task and info.head_labels is not None:
+        notes.append((logging.WARNING, "%s holds a %s with a %d-label head; --task %s drops that head",
+                      args.model, info.architecture, info.head_labels, args.task))
+    num_labels = None
+    if task == "causal-lm":
+        data = args.data or "c4"
+        if data != "c4":
+            raise FisherkronError(f"--data {data} is a classification task, but {args.model} is compressed as a "
+                                  f"causal LM, which calibrates on c4; pass --task sequence-classification "
+                                  f"for a classifier")
+    else:
+        if args.data in (None, "c4"):
+            what = "c4 is language-modelling data for causal LMs" if args.data else "no --data was given"
+            raise FisherkronError(f"{args.model} is a sequence classifier and calibrates with a classification loss "
+                                  f"({what}); pass --data {', '.join(opt.CLASSIFICATION_DATA)} "
+                                  f"(for a fine-tuned classifier: the task its head was trained for)")
+        data = args.data
+        task_labels = DATA_TASKS[data][1]
+        if info.head_labels is not None and task == info.task and info.head_labels != task_labels:
+            raise FisherkronError(f"{args.model} has a {info.head_labels}-label classification head but {data} has "
+                                  f"{task_labels} labels; calibrate on the task the head was trained for")
+        num_labels = info.head_labels if task == info.task and info.head_labels else task_labels
+        if info.head_labels is None or task != info.task:
+            notes.append((logging.WARNING, ("%s has no trained %d-label classification head: a new one is drawn "
+                                            "(seed 0) and calibration gradients flow through it"),
+                          args.model, num_labels))
+        if args.ppl_tokens is not None:
+            raise FisherkronError(f"--ppl-tokens scores PTB perplexity of a causal LM; {args.model} is a sequence "
+                                  f"classifier (use `fisherkron evaluate --data {data}` on the saved folder)")
+    if args.tol is not None and not METHODS[args.method].kronecker:
+        raise FisherkronError(f"--tol sets MFF's tolerance, and method {args.method} does not run MFF")
+    if args.method == "svd" and (args.cache_dir is not None or args.no_cache):
+        notes.append((logging.INFO, "method svd needs no calibration: --cache-dir/--no-cache have no effect"))
+    for level, *msg in notes:
+        log.log(level, *msg)
+    return {"task": task, "data": data, "num_labels": num_labels, "info": info}
+
+
+def plan_table(model, names: list[str], plan: dict[str, int]) -> dict:
+    """Per-layer and whole-model parameter counts of a rank plan (as ``compress`` would apply it)."""
+    from ..hf.surgery import count_params
+
+    mods = dict(model.named_modules())
+    rows, dense_total, after_total = [], 0, 0
+    for name in names:
+        lin = mods[name]
+        n, m, r = lin.out_features, lin.in_features, plan[name]
+        bias = lin.bias is not None
+        dense = n * m + (n if bias else 0)
+        low = lowrank_params(n, m, r, bias)
+        after = min(dense, low)  # compress keeps a layer dense when the rank saves nothing
+        rows.append({"layer": name, "n": n, "m": m, "rank": r, "params_before": dense, "params_after": after,
+                     "kept_dense": low >= dense})
+        dense_total += dense
+        after_total += after
+    before = count_params(model)
+    after = before - dense_total + after_total
+    return {"rows": rows, "params_before": before, "params_after": after,
+            "ratio": compression_ratio(before, after),
+            "layer_params_before": dense_total, "layer_params_after": after_total,
+            "layers_ratio": compression_ratio(dense_total, after_total) if dense_total else 0.0}
+
+
+def _print_table(table: dict, file=None) -> None:
+    file = file or sys.stdout
+    width = max([len("layer")] + [len(r["layer"]) for r in table["rows"]])
+    print(f"{'layer':<{width}}  {'n':>6}  {'m':>6}  {'rank':>5}  {'params before':>13} -> {'after':>11}", file=file)
+    for r in table["rows"]:
+        note = "  (kept dense: the rank saves nothing)" if r["kept_dense"] else ""
+        print(f"{r['layer']:<{width}}  {r['n']:>6}  {r['m']:>6}  {r['rank']:>5}  {r['params_before']:>13,} -> "
+              f"{r['params_after']:>11,}{note}", file=file)
+    print(f"{len(table['rows'])} layers: {table['layer_params_before']:,} -> {table['layer_params_after']:,} params "
+          f"(ratio {table['layers_ratio']:.2%}); whole model: {table['params_before']:,} -> "
+          f"{table['params_after']:,} params (ratio {table['ratio']:.2%})", file=file)
 
 
 def _run(args) -> int:
-    from tqdm.auto import tqdm
-
     from .. import hf as api
 
-    model, tok = api.load_model(args.model)
-    causal = args.data == "c4"
-    if causal:
+    # 1. the options and the model's config.json; 2. the output folder
+    s = _settings(args)
+    if args.out is not None:
+        opt.check_out_folder(args.out, overwrite=args.overwrite)
+    if METHODS[args.method].needs and not args.dry_run:
+        from ..env import data_root
+        opt.check_folder(args.cache_dir or data_root() / "cache" / "calibration",
+                         "--cache-dir" if args.cache_dir else "the calibration cache folder")
+    # 3. the model, its positions, the layers and the ranks
+    kw = {"task": s["task"]}
+    if s["num_labels"] is not None:
+        kw["num_labels"] = s["num_labels"]
+    model, tok = api.load_model(args.model, **kw)
+    if args.device is not None:
+        model.to(args.device)
+    seq_len = opt.resolve_seq_len(model, args.seq_len, DEFAULT_SEQ_LEN, args.model)
+    if args.ppl_tokens is not None and args.ppl_tokens < seq_len:
+        raise FisherkronError(f"--ppl-tokens {args.ppl_tokens} is less than one window of --seq-len {seq_len}; "
+                              f"score at least {seq_len} tokens")
+    names = api.select_layers(model, args.layers)
+    plan = api.plan_ranks(model, names, rank=args.rank, ratio=args.ratio)
+    table = plan_table(model, names, plan)
+    log.info("%s loaded as %s (%s params); %d layers selected", args.model, s["task"],
+             f"{table['params_before']:,}", len(names))
+    if args.dry_run:
+        if not args.quiet:
+            _print_table(table)
+        print(json.dumps({"dry_run": True, "model": args.model, "task": s["task"], "method": args.method,
+                          "layers": len(names), "ranks": plan,
+                          **{k: v for k, v in table.items() if k != "rows"}}))
+        return 0
+    if args.verbose:
+        _print_table(table, file=sys.stderr)
+    # 4. the expensive part: data, perplexity before, calibration, compression, saving
+    progress = not args.quiet
+    if s["task"] == "causal-lm":
         batches = api.lm_batches(tok, api.c4_documents(), args.k, batch_size=args.batch_size,
-                                 seq_len=args.seq_len, seed=args.seed)
+                                 seq_len=seq_len, seed=args.seed)
     else:
-        batches = api.classification_batches(tok, api.load_task(args.data, "train"), args.k,
-                                             batch_size=args.batch_size, max_length=args.seq_len,
-                                             seed=args.seed, task=args.data)
+        batches = api.classification_batches(tok, api.load_task(s["data"], "train"), args.k,
+                                             batch_size=args.batch_size, max_length=seq_len,
+                                             seed=args.seed, task=s["data"])
     before = None
-    if args.ppl_tokens and causal:
-        before = api.perplexity(model, tok, api.ptb("test"), seq_len=args.seq_len,
-                                max_tokens=args.ppl_tokens).ppl
+    if args.ppl_tokens:
+        before = api.perplexity(model, tok, api.ptb("test"), seq_len=seq_len,
+                                max_tokens=args.ppl_tokens, progress=progress).ppl
     stats = None
-    if args.method != "svd":
+    if METHODS[args.method].needs:
         stats = api.collect_calibration(model, batches, args.layers, k=args.k, seed=args.seed,
-                                        methods=(args.method,), progress=True)
+                                        methods=(args.method,), cache=not args.no_cache,
+                                        cache_dir=args.cache_dir, progress=progress)
+    mff_options = {}
+    if args.device is not None:
+        mff_options["device"] = args.device
+    if args.tol is not None:
+        mff_options["tol"] = args.tol
     report = api.compress(model, args.method, stats, args.layers, rank=args.rank, ratio=args.ratio,
-                          min_alpha=args.min_alpha, progress=True)
-    tqdm.write(str(report))
-    out = api.save_compressed(model, args.out, report=report, tokenizer=tok)
-    summary = {"out": str(out), "method": args.method, "ratio": report.ratio,
-               "params_before": report.params_before, "params_after": report.params_after}
-    if args.ppl_tokens and causal:
+                          min_alpha=args.min_alpha, mff_options=mff_options, progress=progress)
+    if not args.quiet:
+        print(str(report), file=sys.stderr)
+    unconverged = [n for n, lr in report.layers.items() if lr.mff_converged is False]
+    if unconverged:
+        log.warning("MFF did not reach its tolerance on %d layer(s), e.g. %s", len(unconverged), unconverged[0])
+    out = api.save_compressed(model, args.out, report=report, tokenizer=tok, overwrite=args.overwrite,
+                              merged=args.merged)
+    summary = {"out": str(out), "model": args.model, "task": s["task"], "data": s["data"], "method": args.method,
+               "ratio": report.ratio, "params_before": report.params_before, "params_after": report.params_after}
+    if args.ppl_tokens:
         reloaded = api.load_compressed(out)
+        if args.device is not None:
+            reloaded.to(args.device)
         summary["ptb_ppl_before"] = before
-        summary["ptb_ppl_after"] = api.perplexity(reloaded, tok, api.ptb("test"), seq_len=args.seq_len,
-                                                  max_tokens=args.ppl_tokens).ppl
+        summary["ptb_ppl_after"] = api.perplexity(reloaded, tok, api.ptb("test"), seq_len=seq_len,
+                                                  max_tokens=args.ppl_tokens, progress=progress).ppl
     print(json.dumps(summary))
     return 0
 
 
-def add_compress_command(sub) -> None:
-    c = sub.add_parser("compress", help="calibrate and compress a model, save a Hugging Face folder")
+def add_compress_command(sub, verbosity_options) -> None:
+    c = sub.add_parser("compress", help="calibrate and compress a model, save a Hugging Face folder",
+                       description="Calibrate, compress and save a model (and optionally score its PTB "
+                                   "perplexity). Every option, the output folder, the layers and the ranks "
+                                   "are checked before any data is read.")
+    verbosity_options(c, top=False)
     c.add_argument("model", help="smollm2 | minilm | a local HF folder | a hub name (paper profile, needs the hub)")
-    c.add_argument("--method", default="gfwsvd", help="svd, fwsvd, asvd, svd_llm, gfwsvd, gfwsvd_diag, gfwsvd_offdiag")
+    c.add_argument("--task", choices=opt.TASKS, default=None,
+                   help="how to load the model (default: from its config.json architectures; "
+                        "minilm: sequence-classification, smollm2: causal-lm)")
+    c.add_argument("--method", default="gfwsvd", choices=list(METHODS), help="compression method (default gfwsvd)")
     group = c.add_mutually_exclusive_group(required=True)
-    group.add_argument("--ratio", type=float, help="target whole-model compression ratio (1 - after/before)")
-    group.add_argument("--rank", type=int, help="one rank for every selected layer")
-    c.add_argument("--min-alpha", type=float, default=1e-3,
+    group.add_argument("--ratio", type=opt.ratio, help="target whole-model compression ratio (1 - after/before), in (0, 1)")
+    group.add_argument("--rank", type=opt.positive_int, help="one rank for every selected layer")
+    c.add_argument("--min-alpha", type=opt.non_negative_float, default=MIN_ALPHA,
                    help="floor of the regularisation alpha of the Kronecker factors (see fisherkron.regularize)")
+    c.add_argument("--tol", type=opt.tol, default=None, help="MFF's target relative error, in (0, 1)")
     c.add_argument("--layers", default=None, help="regex/glob of nn.Linear names (default: the paper's layers)")
-    c.add_argument("--data", default="c4", choices=CALIBRATION, help="calibration data (c4 for causal LMs)")
-    c.add_argument("--k", type=int, default=16, help="calibration batches (one gradient per batch)")
-    c.add_argument("--batch-size", type=int, default=4)
-    c.add_argument("--seq-len", type=int, default=256)
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--out", required=True, help="output folder (config + safetensors + fisherkron manifest)")
-    c.add_argument("--ppl-tokens", type=int, default=0, help="score PTB perplexity on this many tokens before/after")
+    c.add_argument("--data", default=None, choices=CALIBRATION,
+                   help="calibration data: c4 for causal LMs (the default); sst2, boolq or trec for a classifier")
+    c.add_argument("--k", type=opt.positive_int, default=16, help="calibration batches (one gradient per batch)")
+    c.add_argument("--batch-size", type=opt.positive_int, default=4)
+    c.add_argument("--seq-len", type=opt.seq_len, default=None,
+                   help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's positions if fewer)")
+    c.add_argument("--seed", type=opt.non_negative_int, default=0)
+    c.add_argument("--device", type=opt.device, default=None, help="cpu, cuda, cuda:N or mps (default: cpu)")
+    c.add_argument("--out", default=None, help="output folder (config + safetensors + fisherkron manifest)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier fisherkron save in --out (other folders are never touched)")
+    c.add_argument("--merged", action="store_true",
+                   help="save W2 W1 multiplied back into dense weights: a plain Hugging Face folder any tool "
+                        "loads (no saving on disk); default: the factorised form, read by fisherkron.load_compressed")
+    c.add_argument("--cache-dir", default=None, help="calibration cache folder (default data/cache/calibration)")
+    c.add_argument("--no-cache", action="store_true", help="do not reuse or keep calibration results (they go to a private folder under "
+                        "the cache folder, deleted afterwards)")
+    c.add_argument("--ppl-tokens", type=opt.positive_int, default=None,
+                   help="score PTB perplexity on this many tokens before/after (causal LMs)")
+    c.add_argument("--dry-run", action="store_true",
+                   help="load the model, plan the ranks, print them and the parameter counts; calibrate nothing")
     c.set_defaults(func=_run)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.conventions import FisherkronError
-from ..env import atomic_write
+from ..env import REPO_ROOT, atomic_write
 
 __all__ = ["repo_root", "output_dir", "save_figure", "save_table", "provenance",
            "write_provenance", "latex_table", "machine_info", "git_commit"]
@@ -46,7 +46,7 @@ def repo_root(start: str | os.PathLike | None = None) -> Path:
     for d in (here, *here.parents):
         if (d / "pyproject.toml").is_file() and (d / "fisherkron").is_dir():
             return d
-    return Path(__file__).resolve().parent.parent
+    return REPO_ROOT
 
 
 def output_dir(path: str | os.PathLike) -> Path:
