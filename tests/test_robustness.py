@@ -325,3 +325,17 @@ def test_the_offline_advice_switches_off_every_switch_the_package_sets(monkeypat
 
 def test_float64_tolerance_is_shared():
     assert FLOAT64["rtol"] <= 1e-9  # the named tolerances live in fisherkron.testing
+
+
+@pytest.mark.parametrize("call,what", [
+    (lambda: collect_calibration(tiny_llama(), _batches(), k=-1, cache=False), "k must be >= 1"),
+    (lambda: fk.lm_batches(None, "text", k=0), "k must be >= 1"),
+    (lambda: fk.lm_batches(None, "text", k=1, batch_size=0), "batch_size must be >= 1"),
+    (lambda: fk.lm_batches(None, "text", k=1, seq_len=1), "seq_len must be >= 2"),
+    (lambda: fk.perplexity(tiny_llama(), None, torch.arange(200), seq_len=65), "exceeds the model's 64 positions"),
+    (lambda: fk.perplexity(tiny_llama(), None, torch.arange(200), seq_len=16, batch_size=0), "batch_size"),
+])
+def test_invalid_sizes_are_refused_before_any_work(call, what):
+    with pytest.raises(FisherkronError, match=what) as err:
+        call()
+    _one_line(err)

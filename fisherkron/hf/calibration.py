@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..core.checks import check_int
 from ..core.conventions import FisherkronError
 from ..core.kfac import KFACFactors
 from ..core.methods import METHODS
@@ -380,6 +381,7 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         raise FisherkronError(f"unknown statistic {bad[0]!r}; choose from {', '.join(STATS)}")
     batches = list(batches)
     if k is not None:
+        check_int(k, "k", minimum=1)
         if k > len(batches):
             raise FisherkronError(f"k={k} exceeds the {len(batches)} batches given")
         batches = batches[:k]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.checks import check_int
 from ..core.conventions import FisherkronError
 from ..env import hub_offline, offline_advice, package_dir, set_offline_env
 
@@ -234,6 +235,8 @@ def lm_batches(tokenizer, texts, k: int, batch_size: int = 4, seq_len: int = 256
     Each batch is ``{"input_ids", "attention_mask", "labels"}`` of shape
     ``(batch_size, seq_len)``, labels = inputs (the model shifts them).
     """
+    check_int(k, "k", minimum=1), check_int(batch_size, "batch_size", minimum=1)
+    check_int(seq_len, "seq_len", minimum=2)
     if isinstance(texts, str):
         texts = [texts]
     eos = tokenizer.eos_token_id
@@ -264,6 +267,8 @@ def classification_batches(tokenizer, dataset, k: int, batch_size: int = 8, max_
                            text_fields: tuple[str, ...] | None = None, seed: int = 0,
                            task: str | None = None) -> list[dict[str, torch.Tensor]]:
     """``k`` labelled batches for a sequence classifier, drawn without replacement with a seed."""
+    check_int(k, "k", minimum=1), check_int(batch_size, "batch_size", minimum=1)
+    check_int(max_length, "max_length", minimum=1)
     if text_fields is None:
         text_fields = TASKS[task][0] if task in TASKS else tuple(
             c for c in dataset.column_names if c not in ("label", "idx"))[:2]

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..core.checks import check_int
 from ..core.conventions import FisherkronError
 
 __all__ = ["PerplexityResult", "perplexity", "classification_metrics", "predict_classifier",
@@ -65,9 +66,13 @@ def perplexity(model, tokenizer, text, *, seq_len: int = 2048, stride: int | Non
         batch_size: windows per forward pass.
         progress: tqdm bar over batches.
     """
+    check_int(seq_len, "seq_len", minimum=2), check_int(batch_size, "batch_size", minimum=1)
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and seq_len > positions:
+        raise FisherkronError(f"seq_len={seq_len} exceeds the model's {positions} positions; use seq_len <= {positions}")
     ids = _token_ids(tokenizer, text)
     if max_tokens is not None:
-        ids = ids[:max_tokens]
+        ids = ids[:check_int(max_tokens, "max_tokens", minimum=2)]
     N = ids.numel()
     stride = seq_len if stride is None else stride
     if not 1 <= stride <= seq_len:
