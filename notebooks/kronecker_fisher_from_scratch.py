@@ -59,13 +59,13 @@ from torch import nn
 
 import fisherkron as fk
 from fisherkron.experiments import figures
+from fisherkron.testing import FLOAT64  # exact identities, up to float64 round-off
 
 started = time.perf_counter()
 params = dict(profile=profile, n=n, m=m, T=T, k=k, seed=seed, rank=rank, mc_samples=mc_samples,
               competitors=competitors, restarts=restarts, alpha=alpha)
 torch.manual_seed(seed)
 f64 = torch.float64
-FLOAT64 = dict(rtol=1e-10, atol=1e-12)  # exact identities, up to float64 round-off
 ITERATIVE = dict(rtol=1e-7, atol=1e-10)  # MFF (float64) stops at an estimated error of 1e-10 in A (x) B
 MONTE_CARLO = 0.05  # relative error allowed for a sample covariance of mc_samples draws
 

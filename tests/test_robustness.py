@@ -23,11 +23,8 @@ from fisherkron.hf.calibration import collect_calibration
 from fisherkron.hf.registry import load_model
 from fisherkron.hf.saving import MANIFEST, load_compressed, save_compressed
 from fisherkron.hf.surgery import compress
-from fisherkron.testing import FLOAT64
+from fisherkron.testing import FLOAT64, MODEL_F32_REL, RELOAD
 from tiny_models import tiny_bert, tiny_llama
-
-#: a reload must reproduce the logits it saved: the same float32 weights, the same kernels
-RELOAD = dict(rtol=0, atol=1e-6)
 
 
 def _batches(vocab=97, k=3, B=2, T=8, seed=0):
@@ -134,7 +131,8 @@ def test_merged_folder_loads_correctly_in_plain_transformers(kind, tmp_path):
     auto = transformers.AutoModelForCausalLM if kind == "llama" else transformers.AutoModelForSequenceClassification
     plain = auto.from_pretrained(out).eval()
     with torch.no_grad():
-        torch.testing.assert_close(plain(x).logits, ref, rtol=1e-5, atol=1e-5)  # W2 @ W1 re-associated
+        got = plain(x).logits  # (W2 W1) x instead of W2 (W1 x): float32 re-association only
+        assert float((got - ref).abs().max()) <= MODEL_F32_REL * float(ref.abs().max())
         torch.testing.assert_close(load_compressed(out)(x).logits, plain(x).logits, **RELOAD)
     assert json.loads((out / MANIFEST).read_text())["form"] == "merged"
 
@@ -151,7 +149,7 @@ def test_cache_keys_differ_for_partials_and_lambdas_with_other_arguments(tmp_pat
     two = run(loss_fn=functools.partial(_loss_scaled, scale=2.0))
     assert one.key != two.key and not two.from_cache
     n = "model.layers.0.mlp.up_proj"
-    torch.testing.assert_close(two.diag_fisher(n), 4 * one.diag_fisher(n), rtol=1e-6, atol=0)
+    assert torch.equal(two.diag_fisher(n), 4 * one.diag_fisher(n))  # a factor 2 on the loss scales exactly
     c1, c2 = 1.0, 3.0
     l1 = run(loss_fn=lambda m, x: c1 * m(**x).loss)
     l2 = run(loss_fn=lambda m, x: c2 * m(**x).loss)

