@@ -337,3 +337,29 @@ def test_invalid_sizes_are_refused_before_any_work(call, what):
     with pytest.raises(FisherkronError, match=what) as err:
         call()
     _one_line(err)
+
+
+def test_load_model_of_local_folders(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "plain")
+    with pytest.raises(FisherkronError, match="tokenizer") as err:  # weights without a tokenizer
+        load_model(str(tmp_path / "plain"))
+    _one_line(err)
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")),
+                                  eos_token="a")
+    tok.save_pretrained(tmp_path / "plain")
+    f = tmp_path / "plain" / "model.safetensors"
+    good = f.read_bytes()
+    f.write_bytes(good[: len(good) // 2])
+    with pytest.raises(FisherkronError, match="could not load") as err:  # truncated weights
+        load_model(str(tmp_path / "plain"))
+    _one_line(err)
+    compress(model, "svd", None, rank=2)
+    save_compressed(model, tmp_path / "saved", tokenizer=tok)
+    loaded, _ = load_model(str(tmp_path / "saved"))  # a fisherkron save is rebuilt with its low-rank layers
+    x = torch.randint(0, 90, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, **RELOAD)

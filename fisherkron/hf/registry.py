@@ -159,6 +159,13 @@ def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: in
     elif Path(name).is_dir():
         path = Path(name)
         role = None
+        from .saving import MANIFEST, load_compressed
+        if (path / MANIFEST).exists():  # a fisherkron save: rebuild its low-rank layers
+            model, tok = load_compressed(path, dtype=dtype, return_tokenizer=True)
+            if tok is None:
+                raise FisherkronError(f"{path} was saved without its tokenizer; load it with "
+                                      f"fisherkron.load_compressed and take the tokenizer of the original model")
+            return model, tok
     else:
         alt = PAPER_MODELS.get(name)
         if hub is False or (hub is None and hub_offline()):
@@ -169,8 +176,18 @@ def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: in
         task = "sequence-classification" if role == "encoder" else "causal-lm"
     if task not in ("causal-lm", "sequence-classification"):
         raise FisherkronError(f"task {task!r} is unknown; use 'causal-lm' or 'sequence-classification'")
+    def first_line(err: Exception) -> str:
+        text = str(err).strip()
+        return text.splitlines()[0] if text else type(err).__name__
+
+    from safetensors import SafetensorError
+
     try:
         tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise FisherkronError(f"could not load the tokenizer of {name}: {first_line(err)} (a model folder "
+                              f"needs its tokenizer files beside the weights)") from None
+    try:
         with torch.random.fork_rng(devices=[], enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
@@ -179,9 +196,8 @@ def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: in
             else:
                 model = AutoModelForSequenceClassification.from_pretrained(
                     path, num_labels=num_labels, dtype=dtype, **kwargs)
-    except OSError as err:  # hub unreachable, gated repo, missing files
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise FisherkronError(f"could not load {name}: {first}") from err
+    except (OSError, ValueError, KeyError, SafetensorError) as err:  # hub unreachable, damaged or missing files
+        raise FisherkronError(f"could not load {name}: {first_line(err)}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if getattr(model.config, "pad_token_id", None) is None:
