@@ -15,10 +15,14 @@ method              needs            factors of ``W`` (``n x m``)
 ``gfwsvd``          ``grads``        GFWSVD, Theorem 1 / Eq. (7), ``A (x) B`` from MFF (Alg. 1)
 ``gfwsvd_diag``     ``grads``        App. "Impact of diagonal and non-diagonal elements": ``diag(A), diag(B)``
 ``gfwsvd_offdiag``  ``grads``        same appendix: the diagonals of ``A, B`` nulled (see :func:`ablate`)
+``kfac_svd``        ``kfac``         Theorem 1 / Eq. (7) with the K-FAC factors ``E[x x^T]``, ``E[delta delta^T]``
 ==================  ===============  ==========================================================
 
 ``grads`` are the per-batch gradients from which MFF finds ``A`` and ``B``; callers run
-MFF (with whatever start and tolerance they choose) and pass the factors.
+MFF (with whatever start and tolerance they choose) and pass the factors. ``kfac`` are the
+per-token K-FAC factors (:func:`fisherkron.kfac_factors`), MFF's warm start: KFAC-SVD is the
+same transform as GFWSVD with them in place of MFF's best Kronecker fit (not in the paper;
+the strongest baseline we know of, so it belongs in every comparison).
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("gfwsvd", ("grads",), "GFWSVD: Theorem 1 with MFF's A (x) B"),
     Method("gfwsvd_diag", ("grads",), "GFWSVD with diag(A), diag(B) only (appendix ablation)"),
     Method("gfwsvd_offdiag", ("grads",), "GFWSVD with the diagonals of A, B nulled (appendix ablation)"),
+    Method("kfac_svd", ("kfac",), "KFAC-SVD: Theorem 1 with the K-FAC factors E[x x^T], E[delta delta^T]"),
 )}
 
 
@@ -87,7 +92,7 @@ def method(name: str) -> Method:
 
 
 def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, diag_fisher=None,
-                     abs_mean=None, xxt=None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
+                     abs_mean=None, xxt=None, kfac=None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
                      regularization: str = "diag", asvd_alpha: float = 0.5,
                      layer: str = "weight") -> Factors:
     """Rank-``rank`` factors of ``W`` (``n x m``) by method ``name`` from the statistics it needs.
@@ -101,6 +106,7 @@ def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, d
         diag_fisher: ``(n, m)`` diagonal Fisher ``E[G * G]`` (or its row sums) for FWSVD.
         abs_mean: length-``m`` mean ``|x|`` for ASVD.
         xxt: ``m x m`` ``X X^T`` for SVD-LLM.
+        kfac: K-FAC factors ``(A, B)`` (a :class:`~fisherkron.KFACFactors`) for KFAC-SVD.
         alpha, min_alpha, regularization: the regularisation of ``A``, ``B`` and ``X X^T``
             (:func:`fisherkron.regularize`).
         asvd_alpha: ASVD's exponent.
@@ -112,11 +118,11 @@ def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, d
         ``mean(diag)``).
     """
     meth = method(name)
-    given = {"diag_fisher": diag_fisher, "abs_mean": abs_mean, "xxt": xxt,
+    given = {"diag_fisher": diag_fisher, "abs_mean": abs_mean, "xxt": xxt, "kfac": kfac,
              "grads": None if A is None or B is None else (A, B)}
     for need in meth.needs:
         if given[need] is None:
-            what = "the Kronecker factors A and B (from MFF)" if need == "grads" else need
+            what = {"grads": "the Kronecker factors A and B (from MFF)", "kfac": "the K-FAC factors"}.get(need, need)
             raise FisherkronError(f"method {name} needs {what} for layer {layer}")
     reg = dict(alpha=alpha, method=regularization, min_alpha=min_alpha, name=layer)
     if name == "svd":
@@ -127,6 +133,8 @@ def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, d
         return asvd(W, abs_mean, rank, alpha=asvd_alpha, name=layer)
     if name == "svd_llm":
         return svd_llm(W, xxt, rank, **reg)
+    if name == "kfac_svd":
+        return gfwsvd(W, kfac[0], kfac[1], rank, **reg)
     shift = 0.0
     if name != "gfwsvd":
         part = name.removeprefix("gfwsvd_")

@@ -230,6 +230,8 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             given["abs_mean"] = stats.input_abs_mean(name)
         if "xxt" in row.needs:
             given["xxt"] = stats.xxt(name)
+        if "kfac" in row.needs:
+            given["kfac"] = stats.kfac(name)
         if row.kronecker:
             kf = stats.kfac(name) if "kfac" in stats.stats else None
             res = mff(stats.grads_path(name), init=kf, name=name, **opts)
