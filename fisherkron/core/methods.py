@@ -27,14 +27,17 @@ the strongest baseline we know of, so it belongs in every comparison).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+
+from .checks import check_matrix, check_rank
 from .conventions import FisherkronError
 from .regularization import MIN_ALPHA
-from .wsvd import Factors, asvd, fwsvd, gfwsvd, svd, svd_llm
+from .wsvd import Factors, asvd_weight, cholesky_weight, fwsvd_weight, weighted_svd
 
-__all__ = ["Method", "METHODS", "method", "factorize_weight", "ablate"]
+__all__ = ["Method", "METHODS", "method", "Weights", "method_weights", "factorize_weight", "ablate"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,51 @@ def method(name: str) -> Method:
         raise FisherkronError(f"method {name!r} is unknown; use one of {', '.join(METHODS)}") from None
 
 
+class Weights(NamedTuple):
+    """The weights of one method for one layer: ``W~ = L_B^T W L_A`` (see :func:`fisherkron.weighted_svd`).
+
+    ``left`` (``L_B``) and ``right`` (``L_A``) are ``None`` (identity), a vector (diagonal) or a
+    lower-triangular matrix; ``alpha_A`` / ``alpha_B`` the regularisation they needed.
+    """
+
+    left: torch.Tensor | None
+    right: torch.Tensor | None
+    alpha_A: float | None = None
+    alpha_B: float | None = None
+
+
+def method_weights(name: str, n: int, m: int, *, A=None, B=None, diag_fisher=None, abs_mean=None, xxt=None,
+                   kfac=None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
+                   regularization: str = "diag", asvd_alpha: float = 0.5, layer: str = "weight") -> Weights:
+    """The weights method ``name`` uses for an ``n x m`` layer, from the statistics it needs (see the table)."""
+    meth = method(name)
+    given = {"diag_fisher": diag_fisher, "abs_mean": abs_mean, "xxt": xxt, "kfac": kfac,
+             "grads": None if A is None or B is None else (A, B)}
+    for need in meth.needs:
+        if given[need] is None:
+            what = {"grads": "the Kronecker factors A and B (from MFF)", "kfac": "the K-FAC factors"}.get(need, need)
+            raise FisherkronError(f"method {name} needs {what} for layer {layer}")
+    reg = dict(alpha=alpha, method=regularization, min_alpha=min_alpha)
+    if name == "svd":
+        return Weights(None, None)
+    if name == "fwsvd":
+        return Weights(fwsvd_weight(diag_fisher), None)
+    if name == "asvd":
+        return Weights(None, asvd_weight(abs_mean, asvd_alpha))
+    if name == "svd_llm":
+        r = cholesky_weight(xxt, m, f"{layer}: X X^T (m x m)", **reg)
+        return Weights(None, r.L, alpha_A=r.alpha)
+    shift = 0.0
+    if name == "kfac_svd":
+        A, B = kfac[0], kfac[1]
+    elif name != "gfwsvd":
+        part = name.removeprefix("gfwsvd_")
+        (A, shift), (B, _) = ablate(torch.as_tensor(A), part), ablate(torch.as_tensor(B), part)
+    rA = cholesky_weight(A, m, f"{layer}: A (input side, m x m)", **reg)
+    rB = cholesky_weight(B, n, f"{layer}: B (output side, n x n)", **reg)
+    return Weights(rB.L, rA.L, alpha_A=shift + rA.alpha, alpha_B=shift + rB.alpha)
+
+
 def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, diag_fisher=None,
                      abs_mean=None, xxt=None, kfac=None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
                      regularization: str = "diag", asvd_alpha: float = 0.5,
@@ -117,27 +165,12 @@ def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, d
         the alphas include the identity shift of :func:`ablate` (``1 + alpha``, in units of
         ``mean(diag)``).
     """
-    meth = method(name)
-    given = {"diag_fisher": diag_fisher, "abs_mean": abs_mean, "xxt": xxt, "kfac": kfac,
-             "grads": None if A is None or B is None else (A, B)}
-    for need in meth.needs:
-        if given[need] is None:
-            what = {"grads": "the Kronecker factors A and B (from MFF)", "kfac": "the K-FAC factors"}.get(need, need)
-            raise FisherkronError(f"method {name} needs {what} for layer {layer}")
-    reg = dict(alpha=alpha, method=regularization, min_alpha=min_alpha, name=layer)
-    if name == "svd":
-        return svd(W, rank, name=layer)
-    if name == "fwsvd":
-        return fwsvd(W, diag_fisher, rank, name=layer)
-    if name == "asvd":
-        return asvd(W, abs_mean, rank, alpha=asvd_alpha, name=layer)
-    if name == "svd_llm":
-        return svd_llm(W, xxt, rank, **reg)
-    if name == "kfac_svd":
-        return gfwsvd(W, kfac[0], kfac[1], rank, **reg)
-    shift = 0.0
-    if name != "gfwsvd":
-        part = name.removeprefix("gfwsvd_")
-        (A, shift), (B, _) = ablate(torch.as_tensor(A), part), ablate(torch.as_tensor(B), part)
-    f = gfwsvd(W, A, B, rank, **reg)
-    return Factors(f.W2, f.W1, alpha_A=shift + f.alpha_A, alpha_B=shift + f.alpha_B)
+    W = torch.as_tensor(W)
+    check_matrix(W, layer)
+    n, m = W.shape
+    check_rank(rank, n, m, layer)
+    w = method_weights(name, n, m, A=A, B=B, diag_fisher=diag_fisher, abs_mean=abs_mean, xxt=xxt, kfac=kfac,
+                       alpha=alpha, min_alpha=min_alpha, regularization=regularization, asvd_alpha=asvd_alpha,
+                       layer=layer)
+    W2, W1 = weighted_svd(W, rank, left=w.left, right=w.right, name=layer)
+    return Factors(W2, W1, alpha_A=w.alpha_A, alpha_B=w.alpha_B)

@@ -35,7 +35,7 @@ from .conventions import FisherkronError
 from .regularization import MIN_ALPHA, Regularized, regularize
 
 __all__ = ["Factors", "weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "fisher_weighted_error",
-           "transform", "diagonal_floor"]
+           "transform", "diagonal_floor", "fwsvd_weight", "asvd_weight", "cholesky_weight"]
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,12 @@ def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = to
     return Factors(W2.to(out_dtype), W1.to(out_dtype))
 
 
+def cholesky_weight(F, size: int, name: str, alpha=None, method: str = "diag",
+                    min_alpha: float = MIN_ALPHA) -> Regularized:
+    """A Kronecker factor (or ``X X^T``) regularised until it has a Cholesky factor ``L`` (the weight)."""
+    return _chol(F, size, name, alpha, method, min_alpha)
+
+
 def _chol(F, size: int, name: str, alpha, method: str, min_alpha: float) -> Regularized:
     if isinstance(F, Regularized):
         check_square(F.L, name, size)
@@ -219,22 +225,32 @@ def fwsvd(W, fisher_rows, rank: int, *, name: str = "weight") -> Factors:
         fisher_rows: length-``n`` row sums of the diagonal Fisher, or the ``(n, m)``
             diagonal Fisher ``E[G * G]`` itself (summed over columns here).
     """
+    return weighted_svd(W, rank, left=fwsvd_weight(fisher_rows), name=name)
+
+
+def fwsvd_weight(fisher_rows) -> torch.Tensor:
+    """FWSVD's left weight ``sqrt(sum_j E[G_ij^2])`` (length ``n``), floored so it can be divided by."""
     f = as_tensor(fisher_rows, "fisher_rows").double()
     if f.ndim == 2:
         f = f.sum(dim=1)  # (n,)
     check_finite(f, "fisher_rows")
     if (f < 0).any():
         raise FisherkronError("fisher_rows must be non-negative (sums of squared gradients)")
-    return weighted_svd(W, rank, left=diagonal_floor(f.sqrt()), name=name)
+    return diagonal_floor(f.sqrt())
 
 
-def asvd(W, input_abs_mean, rank: int, alpha: float = 0.5, *, name: str = "weight") -> Factors:
-    r"""ASVD (Yuan et al. 2023): right weight ``S = diag(mean_t |x_t|^alpha)``; ``W ~= (W S)_r S^{-1}``."""
+def asvd_weight(input_abs_mean, alpha: float = 0.5) -> torch.Tensor:
+    """ASVD's right weight ``mean_t |x_t|^alpha`` (length ``m``), floored so it can be divided by."""
     s = as_tensor(input_abs_mean, "input_abs_mean").double()
     check_finite(s, "input_abs_mean")
     if s.ndim != 1:
         raise FisherkronError(f"input_abs_mean must be a vector of length m, got shape {tuple(s.shape)}")
-    return weighted_svd(W, rank, right=diagonal_floor(s.abs() ** alpha), name=name)
+    return diagonal_floor(s.abs() ** alpha)
+
+
+def asvd(W, input_abs_mean, rank: int, alpha: float = 0.5, *, name: str = "weight") -> Factors:
+    r"""ASVD (Yuan et al. 2023): right weight ``S = diag(mean_t |x_t|^alpha)``; ``W ~= (W S)_r S^{-1}``."""
+    return weighted_svd(W, rank, right=asvd_weight(input_abs_mean, alpha), name=name)
 
 
 def svd_llm(W, XXt, rank: int, *, alpha: float | None = None, method: str = "diag",

@@ -44,7 +44,7 @@ from ..core.checks import check_int
 from ..core.conventions import FisherkronError
 from ..core.kfac import KFACFactors
 from ..core.methods import METHODS
-from ..env import (atomic_directory, data_root, file_checksum, remove_stale_temporaries, sigterm_as_interrupt,
+from ..env import (atomic_directory, atomic_write, data_root, file_checksum, remove_stale_temporaries, sigterm_as_interrupt,
                    temporary_name)
 from .registry import DEFAULT_LAYERS
 
@@ -175,6 +175,36 @@ class CalibrationStats:
         """``X X^T = sum_t x_t x_t^T`` (``m x m``, float64), SVD-LLM's whitening Gram matrix."""
         self._need("xxt")
         return self._load(name, "xxt")
+
+    def kronecker(self, name: str, *, init: str = "kfac", device=None, **mff_options) -> dict:
+        """MFF's ``A (x) B`` of layer ``name`` (Algorithm 1), computed once and kept beside the statistics.
+
+        ``init="kfac"`` starts from the layer's K-FAC factors when they were collected (else
+        from MFF's default start). The result (``A``, ``B``, ``fisher_share``, ``matvecs``,
+        ``converged``) is cached in ``<dir>/mff/`` under a key of the options, written
+        atomically and recomputed if it cannot be read.
+        """
+        self._need("grads")
+        start = self.kfac(name) if init == "kfac" and "kfac" in self.stats else None
+        opts = {k: mff_options[k] for k in sorted(mff_options)}
+        tag = hashlib.blake2b(json.dumps([init if start is not None else "identity", opts], default=str)
+                              .encode(), digest_size=8).hexdigest()
+        f = self.dir / "mff" / f"{name}.{tag}.pt"
+        if f.exists():
+            try:
+                return torch.load(f, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - any unreadable cache file is recomputed
+                log.warning("cached MFF factors %s are unreadable (%s); recomputing", f, exc)
+        from ..core.factorization import mff
+
+        res = mff(self.grads_path(name), init=start, device=device, name=name, **mff_options)
+        out = {"A": res.A.cpu(), "B": res.B.cpu(), "fisher_share": float(res.fisher_share),
+               "matvecs": int(res.matvecs), "converged": bool(res.converged)}
+        try:
+            atomic_write(f, lambda t: torch.save(out, t))
+        except OSError as exc:  # a read-only cache still works, only slower
+            log.warning("could not keep the MFF factors in %s (%s)", f.parent, exc)
+        return out
 
     def kfac(self, name: str) -> KFACFactors:
         """K-FAC ``A = X X^T / T`` (``m x m``) and ``B = (1/k) sum_t delta_t delta_t^T`` (``n x n``)."""

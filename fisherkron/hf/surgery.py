@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 
 from ..core.checks import check_rank
 from ..core.conventions import FisherkronError
-from ..core.factorization import mff
 from ..core.lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
 from ..core.methods import factorize_weight, method as method_row
 from ..core.regularization import MIN_ALPHA
@@ -63,6 +62,8 @@ class CompressionReport:
     layers: dict[str, LayerReport] = field(default_factory=dict)
     target_ratio: float | None = None
     seconds: float = 0.0
+    allocation: str = "uniform"
+    allocation_cost: dict | None = None
 
     @property
     def ratio(self) -> float:
@@ -101,7 +102,7 @@ def count_params(model: nn.Module) -> int:
 
 def plan_ranks(model: nn.Module, names: list[str], *, rank: int | None = None,
                ranks: dict[str, int] | None = None, ratio: float | None = None) -> dict[str, int]:
-    """Per-layer ranks from exactly one of ``rank``, ``ranks`` or a whole-model ``ratio``.
+    """Per-layer ranks from exactly one of ``rank``, ``ranks`` (``None``: keep dense) or a whole-model ``ratio``.
 
     With ``ratio``, every selected layer gets ``rank_for_ratio(n, m, rho)`` with
     the smallest uniform ``rho`` whose total removal reaches
@@ -143,7 +144,7 @@ def plan_ranks(model: nn.Module, names: list[str], *, rank: int | None = None,
             mid = 0.5 * (lo + hi)
             lo, hi = (lo, mid) if removed(plan(mid)) >= need else (mid, hi)
         out = plan(hi)
-    return {n: check_rank(r, *shape[n], name=f"layer {n}") for n, r in out.items()}
+    return {n: None if r is None else check_rank(r, *shape[n], name=f"layer {n}") for n, r in out.items()}
 
 
 def compress(model: nn.Module, method: str, stats: CalibrationStats | None = None, layers=None, *,
@@ -151,6 +152,7 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
              regularization: str = "diag", alpha: float | None = None, min_alpha: float = MIN_ALPHA,
              asvd_alpha: float = 0.5,
              mff_options: dict | None = None, skip_unprofitable: bool = True,
+             allocation=None, allocation_options: dict | None = None,
              progress: bool = False) -> CompressionReport:
     r"""Replace the selected ``nn.Linear`` layers of ``model`` in place by ``LowRankLinear``.
 
@@ -173,6 +175,12 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         asvd_alpha: ASVD's exponent.
         mff_options: keyword arguments of :func:`fisherkron.mff` (``tol``, ``max_matvecs``, ...).
         skip_unprofitable: keep a layer dense when ``r (n + m) >= n m`` (no saving).
+        allocation: with ``ratio``, how the per-layer ranks are chosen: ``"uniform"`` (the
+            default), ``"sensitivity"`` (ASVD's measured procedure, the paper's; needs
+            ``allocation_options={"heldout": batches}``) or ``"fisher"`` (Theorem 1's predicted
+            loss increase, no model evaluation); or an :class:`~fisherkron.hf.allocation.Allocation`
+            computed before. Layers the allocation keeps dense stay ``nn.Linear``.
+        allocation_options: keyword arguments of :func:`fisherkron.hf.allocation.allocate`.
         progress: tqdm bar over layers.
 
     Returns:
@@ -198,10 +206,28 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             missing = [n for n in names if n not in stats.layers]
             if missing:
                 raise FisherkronError(f"layer {missing[0]} has no calibration statistics; collect them for it")
-    plan = plan_ranks(model, names, rank=rank, ranks=ranks, ratio=ratio)
+    alloc = None
+    if allocation is not None and not (isinstance(allocation, str) and allocation == "uniform"):
+        from .allocation import Allocation, allocate
+        if isinstance(allocation, Allocation):
+            alloc = allocation
+            if set(alloc.ranks) != set(names):
+                raise FisherkronError(f"the allocation covers {len(alloc.ranks)} layers, {len(names)} are selected")
+        else:
+            if ratio is None or rank is not None or ranks is not None:
+                raise FisherkronError(f"allocation={allocation!r} chooses the ranks for a target ratio=; "
+                                      f"do not give rank= or ranks=")
+            alloc = allocate(model, method, stats, names, ratio=ratio, strategy=allocation, min_alpha=min_alpha,
+                             mff_options=mff_options, progress=progress, **(allocation_options or {}))
+        plan = dict(alloc.ranks)
+    else:
+        plan = plan_ranks(model, names, rank=rank, ranks=ranks, ratio=ratio)
     before = count_params(model)
     mods = dict(model.named_modules())
-    report = CompressionReport(method, before, before, 0, 0, target_ratio=ratio)
+    report = CompressionReport(method, before, before, 0, 0, target_ratio=ratio,
+                               allocation="uniform" if alloc is None else alloc.strategy)
+    if alloc is not None:
+        report.allocation_cost = {"evaluations": alloc.evaluations, "seconds": alloc.seconds}
     opts = dict(mff_options or {})
     new: dict[str, LowRankLinear] = {}
 
@@ -219,6 +245,10 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         lr = LayerReport(name, n, m, r, dense, dense)
         report.layers[name] = lr
         report.layer_params_before += dense
+        if r is None:
+            lr.skipped = "kept dense by the allocation" if alloc is not None else "kept dense (rank None)"
+            report.layer_params_after += dense
+            continue
         if skip_unprofitable and lowrank_params(n, m, r, has_bias) >= dense:
             lr.skipped = f"rank {r} saves nothing: r (n + m) >= n m"
             report.layer_params_after += dense
@@ -233,10 +263,9 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         if "kfac" in row.needs:
             given["kfac"] = stats.kfac(name)
         if row.kronecker:
-            kf = stats.kfac(name) if "kfac" in stats.stats else None
-            res = mff(stats.grads_path(name), init=kf, name=name, **opts)
-            lr.fisher_share, lr.mff_matvecs, lr.mff_converged = res.fisher_share, res.matvecs, res.converged
-            given["A"], given["B"] = res.A, res.B  # (m, m), (n, n)
+            res = stats.kronecker(name, **opts)
+            lr.fisher_share, lr.mff_matvecs, lr.mff_converged = res["fisher_share"], res["matvecs"], res["converged"]
+            given["A"], given["B"] = res["A"], res["B"]  # (m, m), (n, n)
         W2, W1 = f = factorize_weight(method, W, r, alpha=alpha, min_alpha=min_alpha,
                                       regularization=regularization, asvd_alpha=asvd_alpha, layer=name,
                                       **given)

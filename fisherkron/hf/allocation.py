@@ -1,0 +1,290 @@
+r"""Per-layer ranks for a whole-model compression ratio: uniform, measured sensitivity, or Fisher-predicted.
+
+:func:`allocate` returns the ranks :func:`fisherkron.compress` uses with ``allocation=``:
+
+* ``"uniform"``: one per-layer compression ratio for every layer (bisected so the whole model
+  reaches the target), the behaviour of ``ratio=`` alone;
+* ``"sensitivity"``: the procedure of ASVD that the paper adopted (Sec. 6.3). Each layer is
+  compressed alone, with the method at hand, at each candidate per-layer ratio, and the mean
+  loss on held-out calibration batches is measured; then ASVD's threshold search picks the
+  per-layer ratios (:func:`fisherkron.core.allocation.choose_by_threshold`). The sweep costs
+  ``layers x candidates`` model evaluations; it is cached on disk per (model, method,
+  calibration statistics, held-out batches, candidates) and resumed after an interruption;
+* ``"fisher"`` (beyond the paper): no model evaluation. Each layer's curve of the error
+  ``tr(dW^T B dW A)`` against its rank comes from its weighted SVD
+  (:func:`fisherkron.core.allocation.truncation_errors`), in the metric of the layer's Kronecker
+  Fisher: MFF's ``A (x) B`` when the calibration holds gradients, else the K-FAC factors. For
+  GFWSVD (and KFAC-SVD in the K-FAC metric) the curve is Theorem 1's tail ``sum_{i>r} s~_i^2``;
+  for the other methods it is the same Fisher's measure of their own truncation. All layers
+  are on one scale: their Fishers are means over the same calibration batches of the gradient
+  of the same loss, so ``0.5 tr(dW^T B dW A)`` is each layer's second-order loss increase in
+  the same units. Ranks minimise the summed curves under the budget
+  (:func:`fisherkron.core.allocation.choose_ranks`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..core.allocation import choose_by_threshold, choose_ranks, max_profitable_rank, saving, truncation_errors
+from ..core.conventions import FisherkronError
+from ..core.lowrank import LowRankLinear, rank_for_ratio
+from ..core.methods import METHODS, factorize_weight, method_weights
+from ..core.regularization import MIN_ALPHA
+from ..env import atomic_write, data_root
+from .calibration import CalibrationStats, data_fingerprint
+
+__all__ = ["STRATEGIES", "Allocation", "allocate", "layer_statistics", "fisher_curves", "sensitivity_sweep",
+           "SENSITIVITY_RATIOS"]
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("uniform", "sensitivity", "fisher")
+#: per-layer ratios (fraction of a layer's weights removed) measured by the sensitivity sweep
+SENSITIVITY_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+CODE_VERSION = "allocation-1"
+
+
+@dataclass
+class Allocation:
+    """Ranks per layer (``None``: kept dense) for a target whole-model ratio, and what they cost."""
+
+    strategy: str
+    method: str
+    target_ratio: float
+    ranks: dict[str, int | None]
+    removed: int
+    total_params: int
+    evaluations: int = 0
+    seconds: float = 0.0
+    predicted: dict[str, float] = field(default_factory=dict)
+    details: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """Whole-model compression ratio these ranks reach."""
+        return self.removed / self.total_params
+
+    @property
+    def dense(self) -> list[str]:
+        return [n for n, r in self.ranks.items() if r is None]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        return d
+
+
+def layer_statistics(stats: CalibrationStats | None, method: str, name: str, mff_options: dict | None = None,
+                     device=None) -> dict:
+    """The statistics ``method`` reads for layer ``name``, as keyword arguments of ``factorize_weight``."""
+    row = METHODS[method]
+    given = {}
+    if not row.needs:
+        return given
+    if stats is None:
+        raise FisherkronError(f"method {method} needs calibration statistics")
+    if "diag_fisher" in row.needs:
+        given["diag_fisher"] = stats.diag_fisher(name)
+    if "abs_mean" in row.needs:
+        given["abs_mean"] = stats.input_abs_mean(name)
+    if "xxt" in row.needs:
+        given["xxt"] = stats.xxt(name)
+    if "kfac" in row.needs:
+        given["kfac"] = stats.kfac(name)
+    if row.kronecker:
+        res = stats.kronecker(name, device=device, **(mff_options or {}))
+        given["A"], given["B"] = res["A"], res["B"]
+    return given
+
+
+def _metric(stats: CalibrationStats, name: str, mff_options: dict | None, device=None):
+    """The Kronecker Fisher ``(A, B)`` of a layer: MFF's when gradients were collected, else K-FAC's."""
+    if "grads" in stats.stats:
+        res = stats.kronecker(name, device=device, **(mff_options or {}))
+        return res["A"], res["B"], "mff"
+    if "kfac" in stats.stats:
+        kf = stats.kfac(name)
+        return kf.A, kf.B, "kfac"
+    raise FisherkronError("the fisher allocation needs per-batch gradients ('grads', for MFF) or the K-FAC "
+                          "factors ('kfac') in the calibration statistics; collect them")
+
+
+def fisher_curves(model: nn.Module, method: str, stats: CalibrationStats, names: list[str], *,
+                  min_alpha: float = MIN_ALPHA, mff_options: dict | None = None, device=None,
+                  progress: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+    """Predicted loss increase ``0.5 tr(dW^T B dW A)`` of every layer at every rank, and the metric used."""
+    mods = dict(model.named_modules())
+    curves, metric = {}, None
+    for name in tqdm(names, desc=f"fisher curves ({method})", disable=not progress):
+        W = mods[name].weight.detach()
+        n, m = W.shape
+        A, B, metric = _metric(stats, name, mff_options, device)
+        w = method_weights(method, n, m, min_alpha=min_alpha, layer=name,
+                           **layer_statistics(stats, method, name, mff_options, device))
+        curves[name] = 0.5 * truncation_errors(W, w.left, w.right, A, B)
+    return curves, metric
+
+
+def _sweep_key(model_key: str, method: str, stats: CalibrationStats, heldout_key: str, ratios, names,
+               min_alpha: float, mff_options: dict | None) -> str:
+    cfg = [CODE_VERSION, model_key, method, stats.key if stats is not None else None, heldout_key,
+           list(ratios), list(names), min_alpha, sorted((mff_options or {}).items())]
+    return hashlib.blake2b(json.dumps(cfg, default=str).encode(), digest_size=16).hexdigest()
+
+
+@torch.no_grad()
+def _mean_loss(model: nn.Module, batches, loss_fn) -> float:
+    total = 0.0
+    for b in batches:
+        total += float(loss_fn(model, b))
+    return total / len(batches)
+
+
+def _default_loss(model, batch):
+    return model(**batch).loss
+
+
+def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], heldout,
+                      *, ratios=SENSITIVITY_RATIOS, loss_fn=None, min_alpha: float = MIN_ALPHA,
+                      mff_options: dict | None = None, cache: bool = True, cache_dir=None,
+                      progress: bool = False) -> dict:
+    """Loss increase on ``heldout`` of compressing each layer alone at each candidate per-layer ratio.
+
+    Returns ``{"base": loss, "table": {layer: {rank: increase}}, "evaluations": int, "seconds": float,
+    "from_cache": bool}``. Written to ``<cache_dir>/<key>.json`` after every layer, so an
+    interrupted sweep resumes where it stopped.
+    """
+    from .calibration import layer_fingerprint
+
+    heldout = list(heldout or ())
+    if not heldout:
+        raise FisherkronError("the sensitivity allocation needs held-out calibration batches (heldout=)")
+    loss_fn = loss_fn or _default_loss
+    mods = dict(model.named_modules())
+    model_key = hashlib.blake2b("".join(layer_fingerprint(mods[n]) for n in names).encode() +
+                                (stats.config["model"] if stats is not None else "").encode(),
+                                digest_size=16).hexdigest()
+    key = _sweep_key(model_key, method, stats, data_fingerprint(heldout), ratios, names, min_alpha, mff_options)
+    root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "allocation"
+    path = root / f"sensitivity-{key}.json"
+    state = {"key": key, "method": method, "ratios": list(ratios), "table": {}, "evaluations": 0, "seconds": 0.0}
+    if cache and path.exists():
+        try:
+            got = json.loads(path.read_text())
+            if got.get("key") == key:
+                state = got
+        except (OSError, ValueError) as exc:
+            log.warning("sensitivity cache %s is unreadable (%s); measuring again", path, exc)
+    todo = [n for n in names if n not in state["table"]]
+    from_cache = not todo
+    t0 = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    try:
+        if "base" not in state:
+            state["base"] = _mean_loss(model, heldout, loss_fn)
+            state["evaluations"] += 1
+        bar = tqdm(total=len(todo) * len(ratios), desc=f"sensitivity ({method})", disable=not progress)
+        for name in todo:
+            lin = mods[name]
+            W = lin.weight.detach()
+            n, m = W.shape
+            given = layer_statistics(stats, method, name, mff_options)
+            row = {}
+            for rho in ratios:
+                r = rank_for_ratio(n, m, rho)
+                if r in row or saving(n, m, r) <= 0:
+                    bar.update(1)
+                    continue
+                f = factorize_weight(method, W, r, min_alpha=min_alpha, layer=name, **given)
+                low = LowRankLinear.from_factors(f.W2.to(W.dtype), f.W1.to(W.dtype),
+                                                 lin.bias.detach() if lin.bias is not None else None).to(W.device)
+                model.set_submodule(name, low)
+                try:
+                    row[r] = _mean_loss(model, heldout, loss_fn) - state["base"]
+                finally:
+                    model.set_submodule(name, lin)
+                state["evaluations"] += 1
+                bar.update(1)
+            state["table"][name] = {str(r): d for r, d in row.items()}
+            state["seconds"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if cache:
+                atomic_write(path, lambda t: Path(t).write_text(json.dumps(state)))
+        bar.close()
+    finally:
+        model.train(was_training)
+    table = {n: {int(r): float(d) for r, d in state["table"][n].items()} for n in names}
+    return {"base": state["base"], "table": table, "evaluations": state["evaluations"],
+            "seconds": state["seconds"], "from_cache": from_cache, "path": str(path) if cache else None}
+
+
+def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], *, ratio: float,
+             strategy: str = "fisher", heldout=None, loss_fn=None, sensitivity_ratios=SENSITIVITY_RATIOS,
+             min_alpha: float = MIN_ALPHA, mff_options: dict | None = None, cache: bool = True, cache_dir=None,
+             progress: bool = False) -> Allocation:
+    """Ranks of the layers ``names`` that compress the whole model by at least ``ratio``.
+
+    Args:
+        model: the model to be compressed (unchanged here).
+        method: a key of :data:`fisherkron.METHODS`.
+        stats: its calibration statistics (``fisher`` needs gradients or K-FAC factors).
+        names: the layers to compress.
+        ratio: target whole-model ratio ``1 - params_after / params_before``, in (0, 1).
+        strategy: ``"uniform"``, ``"sensitivity"`` (needs ``heldout``) or ``"fisher"``.
+        heldout: calibration batches not used for the statistics (``sensitivity`` only); never
+            the evaluation text.
+        loss_fn: ``loss_fn(model, batch)`` of the sweep (default ``model(**batch).loss``).
+        sensitivity_ratios: the candidate per-layer ratios of the sweep.
+        min_alpha, mff_options: as for :func:`fisherkron.compress` (the same factors are used).
+        cache, cache_dir: keep the sensitivity sweep on disk (default ``data/cache/allocation``).
+        progress: tqdm bars.
+    """
+    from .surgery import count_params, plan_ranks
+
+    if strategy not in STRATEGIES:
+        raise FisherkronError(f"allocation {strategy!r} is unknown; use one of {', '.join(STRATEGIES)}")
+    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and 0.0 < ratio < 1.0):
+        raise FisherkronError(f"ratio must be in (0, 1), got {ratio}")
+    mods = dict(model.named_modules())
+    shapes = {n: (mods[n].out_features, mods[n].in_features) for n in names}
+    total = count_params(model)
+    need = math.ceil(ratio * total)
+    t0 = time.perf_counter()
+    if strategy == "uniform":
+        ranks = plan_ranks(model, names, ratio=ratio)
+        ranks = {n: (r if saving(*shapes[n], r) > 0 else None) for n, r in ranks.items()}
+        out = Allocation(strategy, method, ratio, ranks, 0, total)
+    elif strategy == "fisher":
+        if stats is None:
+            raise FisherkronError("the fisher allocation needs calibration statistics (stats=)")
+        curves, metric = fisher_curves(model, method, stats, names, min_alpha=min_alpha, mff_options=mff_options,
+                                       progress=progress)
+        ranks = choose_ranks(curves, shapes, need)
+        predicted = {n: float(curves[n][r]) if r is not None else 0.0 for n, r in ranks.items()}
+        out = Allocation(strategy, method, ratio, ranks, 0, total, predicted=predicted,
+                         details={"metric": metric, "curves_max_rank": {n: max_profitable_rank(*shapes[n])
+                                                                         for n in names}})
+    else:
+        sweep = sensitivity_sweep(model, method, stats, names, heldout, ratios=sensitivity_ratios, loss_fn=loss_fn,
+                                  min_alpha=min_alpha, mff_options=mff_options, cache=cache, cache_dir=cache_dir,
+                                  progress=progress)
+        ranks, tau = choose_by_threshold(sweep["table"], shapes, need)
+        out = Allocation(strategy, method, ratio, ranks, 0, total, evaluations=sweep["evaluations"],
+                         details={"threshold": tau, "base_loss": sweep["base"], "from_cache": sweep["from_cache"],
+                                  "sweep_seconds": sweep["seconds"], "cache": sweep["path"]})
+    out.removed = sum(saving(*shapes[n], r) for n, r in out.ranks.items())
+    out.seconds = time.perf_counter() - t0
+    if out.removed < need:  # pragma: no cover - every strategy meets the budget by construction
+        raise FisherkronError(f"allocation {strategy} removes {out.removed:,} < {need:,} parameters")
+    return out
