@@ -30,6 +30,8 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_HOME ?= $(CURDIR)/data/hf_home
 export TOKENIZERS_PARALLELISM ?= false
+# OpenMP threads wait passively: no stalls when another process shares the cores (README, "Threads")
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: help install lock test test-slow clean-venv
 help: ## list the targets

@@ -19,6 +19,17 @@ first use, so ``import fisherkron`` needs only the core dependencies.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+
+# OpenMP threads that spin while they wait stall on a shared machine: with another process busy
+# on one of 2 cores, every parallel region waits for a thread that is not scheduled (compressing
+# MiniLM's block 0: 70 s against 5 s). Passive waiting costs within the run-to-run noise on an
+# idle machine at the benchmark's sizes (README, "Threads"). The variable is read once, when
+# torch loads its OpenMP runtime, so it is set only if torch is not imported yet and the user
+# has not chosen (OMP_WAIT_POLICY=ACTIVE keeps spinning).
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .core import (METHODS, MIN_ALPHA, Factors, FisherkronError, GradientStack, KFACFactors,
                    LowRankLinear, Method, MFFResult, RearrangedFisher, Regularized, asvd,

@@ -76,3 +76,18 @@ def test_mff_equals_dense_top_triplet(threads, dtype):
     bar = MFF_F32_REL if dtype == torch.float32 else MFF_F64_REL
     assert rel_error(torch.outer(fk.vec(res.A), fk.vec(res.B)), ref) <= bar
     assert abs(float(res.sigma[0]) - float(S[0])) <= bar * float(S[0])
+
+
+@pytest.mark.parametrize("preset,want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_threads_wait_passively_unless_the_user_chose(preset, want):
+    """fisherkron sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (README, "Threads")."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    code = "import os, fisherkron, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == want
