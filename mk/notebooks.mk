@@ -79,6 +79,10 @@ fig_synthetic_correlations: ## Fig. corr + Fig. diag_full_synth (Sec. 6.1): synt
 $(eval $(call notebook,fig_time_algo,$(call fig,fig_time_algo) $(call tab,tab_time_algo tab_time_algo_sweep),$(addprefix $(EXP)/,benchmark.py authors.py synthetic_gradients.py)))
 fig_time_algo: ## Fig. + Tab. time_algo (Sec. 4.2): MFF runtime against layer size and k, vs the authors' approach
 
+# Rank allocation on the embedded decoder (Sec. 6.3 protocol): uniform, ASVD sensitivity, Fisher-predicted.
+$(eval $(call notebook,fig_rank_allocation,$(call fig,fig_rank_allocation fig_rank_allocation_validation) $(call tab,tab_rank_allocation) $(FIGDIR)/fig_rank_allocation_summary.provenance.json,$(HF_SRC) $(EXP)/rank_allocation.py))
+fig_rank_allocation: ## Sec. 6.3: per-layer rank allocation (uniform / sensitivity / Fisher) x methods x ratios on SmolLM2
+
 # -- aggregate targets ----------------------------------------------------------
 # Second expansion: `all` sees the notebooks that mk/*.mk files read after this one add.
 .SECONDEXPANSION:
