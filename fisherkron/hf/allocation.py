@@ -85,8 +85,12 @@ class Allocation:
 
 
 def layer_statistics(stats: CalibrationStats | None, method: str, name: str, mff_options: dict | None = None,
-                     device=None) -> dict:
-    """The statistics ``method`` reads for layer ``name``, as keyword arguments of ``factorize_weight``."""
+                     device=None, info: dict | None = None) -> dict:
+    """The statistics ``method`` reads for layer ``name``, as keyword arguments of ``factorize_weight``.
+
+    For the GFWSVD family MFF runs (or its cached result is read); ``info``, when given,
+    receives its ``fisher_share``, ``matvecs`` and ``converged``.
+    """
     row = METHODS[method]
     given = {}
     if not row.needs:
@@ -103,7 +107,9 @@ def layer_statistics(stats: CalibrationStats | None, method: str, name: str, mff
         given["kfac"] = stats.kfac(name)
     if row.kronecker:
         res = stats.kronecker(name, device=device, **(mff_options or {}))
-        given["A"], given["B"] = res["A"], res["B"]
+        given["A"], given["B"] = res["A"], res["B"]  # (m, m), (n, n)
+        if info is not None:
+            info.update({k: res[k] for k in ("fisher_share", "matvecs", "converged")})
     return given
 
 

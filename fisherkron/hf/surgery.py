@@ -25,6 +25,7 @@ from ..core.conventions import FisherkronError
 from ..core.lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
 from ..core.methods import factorize_weight, method as method_row
 from ..core.regularization import MIN_ALPHA
+from .allocation import layer_statistics
 from .calibration import CalibrationStats, select_layers
 
 __all__ = ["compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport"]
@@ -253,19 +254,11 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             lr.skipped = f"rank {r} saves nothing: r (n + m) >= n m"
             report.layer_params_after += dense
             continue
-        given = {}
-        if "diag_fisher" in row.needs:
-            given["diag_fisher"] = stats.diag_fisher(name)
-        if "abs_mean" in row.needs:
-            given["abs_mean"] = stats.input_abs_mean(name)
-        if "xxt" in row.needs:
-            given["xxt"] = stats.xxt(name)
-        if "kfac" in row.needs:
-            given["kfac"] = stats.kfac(name)
-        if row.kronecker:
-            res = stats.kronecker(name, **opts)
-            lr.fisher_share, lr.mff_matvecs, lr.mff_converged = res["fisher_share"], res["matvecs"], res["converged"]
-            given["A"], given["B"] = res["A"], res["B"]  # (m, m), (n, n)
+        mff_info: dict = {}
+        given = layer_statistics(stats, method, name, opts, info=mff_info)
+        if mff_info:
+            lr.fisher_share, lr.mff_matvecs, lr.mff_converged = (mff_info["fisher_share"], mff_info["matvecs"],
+                                                                 mff_info["converged"])
         W2, W1 = f = factorize_weight(method, W, r, alpha=alpha, min_alpha=min_alpha,
                                       regularization=regularization, asvd_alpha=asvd_alpha, layer=name,
                                       **given)
