@@ -131,12 +131,7 @@ def _run(args) -> int:
         opt.check_folder(args.cache_dir or data_root() / "cache" / "calibration",
                          "--cache-dir" if args.cache_dir else "the calibration cache folder")
     # 3. the model, its positions, the layers and the ranks
-    kw = {"task": s["task"]}
-    if s["num_labels"] is not None:
-        kw["num_labels"] = s["num_labels"]
-    model, tok = api.load_model(args.model, **kw)
-    if args.device is not None:
-        model.to(args.device)
+    model, tok = opt.load_model(api, args, s)
     seq_len = opt.resolve_seq_len(model, args.seq_len, DEFAULT_SEQ_LEN, args.model)
     if args.ppl_tokens is not None and args.ppl_tokens < seq_len:
         raise FisherkronError(f"--ppl-tokens {args.ppl_tokens} is less than one window of --seq-len {seq_len}; "

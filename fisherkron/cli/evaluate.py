@@ -86,15 +86,7 @@ def _run(args) -> int:
     from .. import hf as api
 
     s = _settings(args)
-    if s["info"].source == "compressed":
-        model, tok = api.load_compressed(args.model, return_tokenizer=True)
-    else:
-        kw = {"task": s["task"]}
-        if s["num_labels"] is not None:
-            kw["num_labels"] = s["num_labels"]
-        model, tok = api.load_model(args.model, **kw)
-    if args.device is not None:
-        model.to(args.device)
+    model, tok = opt.load_model(api, args, s)
     progress = not args.quiet
     out: dict = {"model": args.model, "task": s["task"], "params": api.count_params(model)}
     if s["task"] == "causal-lm":

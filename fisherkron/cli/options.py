@@ -295,3 +295,17 @@ def resolve_seq_len(model, given: int | None, default: int, name: str) -> int:
         raise FisherkronError(f"--seq-len {given} exceeds the {limit} positions of {name} "
                               f"(max_position_embeddings); use --seq-len {limit} or less")
     return given
+
+
+def load_model(api, args, settings: dict):
+    """``(model, tokenizer)`` of ``args.model`` as the task settings say, on ``args.device``."""
+    if settings.get("info") is not None and settings["info"].source == "compressed":
+        model, tok = api.load_compressed(args.model, return_tokenizer=True)
+    else:
+        kw = {"task": settings["task"]}
+        if settings["num_labels"] is not None:
+            kw["num_labels"] = settings["num_labels"]
+        model, tok = api.load_model(args.model, **kw)
+    if args.device is not None:
+        model.to(args.device)
+    return model, tok

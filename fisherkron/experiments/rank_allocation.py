@@ -99,12 +99,13 @@ def _cached(setup: Setup, case: str, compute) -> dict:
 
 @torch.no_grad()
 def _score(setup: Setup, model) -> dict:
+    from ..hf.allocation import mean_loss
     from ..hf.evaluate import perplexity
 
     t = time.perf_counter()
     out = {f"ppl_{name}": perplexity(model, None, ids, seq_len=setup.eval_seq_len).ppl
            for name, ids in setup.eval_ids.items()}
-    out["heldout_loss"] = sum(float(model(**b).loss) for b in setup.heldout) / len(setup.heldout)
+    out["heldout_loss"] = mean_loss(model, setup.heldout)
     out["eval_seconds"] = time.perf_counter() - t
     return out
 
@@ -141,9 +142,9 @@ def validate_predictions(setup: Setup, method: str = "gfwsvd", layers: list[str]
     compressing one layer at a time at several per-layer ratios (cached)."""
     from tqdm.auto import tqdm
 
-    from ..core.lowrank import LowRankLinear, rank_for_ratio
+    from ..core.lowrank import rank_for_ratio
     from ..core.methods import factorize_weight
-    from ..hf.allocation import fisher_curves, layer_statistics
+    from ..hf.allocation import fisher_curves, layer_statistics, loss_with_factors
 
     layers = layers or setup.names
     curves, _ = fisher_curves(setup.model, method, setup.stats, layers, mff_options=setup.mff_options)
@@ -152,20 +153,13 @@ def validate_predictions(setup: Setup, method: str = "gfwsvd", layers: list[str]
         rows = []
         base = setup.base["heldout_loss"]
         for name in tqdm(layers, desc="validation", disable=not progress):
-            lin = setup.model.get_submodule(name)
-            W = lin.weight.detach()
+            W = setup.model.get_submodule(name).weight.detach()
             n, m = W.shape
             given = layer_statistics(setup.stats, method, name, setup.mff_options)
             for rho in ratios:
                 r = rank_for_ratio(n, m, rho)
                 f = factorize_weight(method, W, r, layer=name, **given)
-                low = LowRankLinear.from_factors(f.W2.to(W.dtype), f.W1.to(W.dtype),
-                                                 lin.bias.detach() if lin.bias is not None else None)
-                setup.model.set_submodule(name, low)
-                try:
-                    loss = sum(float(setup.model(**b).loss) for b in setup.heldout) / len(setup.heldout)
-                finally:
-                    setup.model.set_submodule(name, lin)
+                loss = loss_with_factors(setup.model, name, f, setup.heldout)
                 rows.append({"layer": name, "ratio": rho, "rank": r, "predicted": float(curves[name][r]),
                              "measured": loss - base})
         return rows

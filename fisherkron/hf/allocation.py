@@ -41,9 +41,10 @@ from ..core.lowrank import LowRankLinear, rank_for_ratio
 from ..core.methods import METHODS, factorize_weight, method_weights
 from ..core.regularization import MIN_ALPHA
 from ..env import atomic_write, data_root
-from .calibration import CalibrationStats, data_fingerprint
+from .calibration import CalibrationStats, _default_loss, data_fingerprint
 
 __all__ = ["STRATEGIES", "Allocation", "allocate", "layer_statistics", "fisher_curves", "sensitivity_sweep",
+           "mean_loss", "loss_with_factors",
            "SENSITIVITY_RATIOS"]
 
 log = logging.getLogger(__name__)
@@ -134,9 +135,12 @@ def fisher_curves(model: nn.Module, method: str, stats: CalibrationStats, names:
     for name in tqdm(names, desc=f"fisher curves ({method})", disable=not progress):
         W = mods[name].weight.detach()
         n, m = W.shape
-        A, B, metric = _metric(stats, name, mff_options, device)
-        w = method_weights(method, n, m, min_alpha=min_alpha, layer=name,
-                           **layer_statistics(stats, method, name, mff_options, device))
+        given = layer_statistics(stats, method, name, mff_options, device)
+        if "A" in given:  # the GFWSVD family already read MFF's factors: they are the metric
+            A, B, metric = given["A"], given["B"], "mff"
+        else:
+            A, B, metric = _metric(stats, name, mff_options, device)
+        w = method_weights(method, n, m, min_alpha=min_alpha, layer=name, **given)
         curves[name] = 0.5 * truncation_errors(W, w.left, w.right, A, B)
     return curves, metric
 
@@ -149,15 +153,24 @@ def _sweep_key(model_key: str, method: str, stats: CalibrationStats, heldout_key
 
 
 @torch.no_grad()
-def _mean_loss(model: nn.Module, batches, loss_fn) -> float:
-    total = 0.0
-    for b in batches:
-        total += float(loss_fn(model, b))
-    return total / len(batches)
+def mean_loss(model: nn.Module, batches, loss_fn=None) -> float:
+    """Mean of ``loss_fn(model, batch)`` over ``batches`` (default: ``model(**batch).loss``)."""
+    loss_fn = loss_fn or _default_loss
+    return sum(float(loss_fn(model, b)) for b in batches) / len(batches)
 
 
-def _default_loss(model, batch):
-    return model(**batch).loss
+@torch.no_grad()
+def loss_with_factors(model: nn.Module, name: str, factors, batches, loss_fn=None) -> float:
+    """:func:`mean_loss` with layer ``name`` replaced by ``W2 W1`` (``factors``); the layer is put back after."""
+    lin = model.get_submodule(name)
+    W = lin.weight.detach()
+    low = LowRankLinear.from_factors(factors[0].to(W.dtype), factors[1].to(W.dtype),
+                                     lin.bias.detach() if lin.bias is not None else None).to(W.device)
+    model.set_submodule(name, low)
+    try:
+        return mean_loss(model, batches, loss_fn)
+    finally:
+        model.set_submodule(name, lin)
 
 
 def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], heldout,
@@ -175,7 +188,6 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
     heldout = list(heldout or ())
     if not heldout:
         raise FisherkronError("the sensitivity allocation needs held-out calibration batches (heldout=)")
-    loss_fn = loss_fn or _default_loss
     mods = dict(model.named_modules())
     model_key = hashlib.blake2b("".join(layer_fingerprint(mods[n]) for n in names).encode() +
                                 (stats.config["model"] if stats is not None else "").encode(),
@@ -198,7 +210,7 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
     model.eval()
     try:
         if "base" not in state:
-            state["base"] = _mean_loss(model, heldout, loss_fn)
+            state["base"] = mean_loss(model, heldout, loss_fn)
             state["evaluations"] += 1
         bar = tqdm(total=len(todo) * len(ratios), desc=f"sensitivity ({method})", disable=not progress)
         for name in todo:
@@ -213,13 +225,7 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
                     bar.update(1)
                     continue
                 f = factorize_weight(method, W, r, min_alpha=min_alpha, layer=name, **given)
-                low = LowRankLinear.from_factors(f.W2.to(W.dtype), f.W1.to(W.dtype),
-                                                 lin.bias.detach() if lin.bias is not None else None).to(W.device)
-                model.set_submodule(name, low)
-                try:
-                    row[r] = _mean_loss(model, heldout, loss_fn) - state["base"]
-                finally:
-                    model.set_submodule(name, lin)
+                row[r] = loss_with_factors(model, name, f, heldout, loss_fn) - state["base"]
                 state["evaluations"] += 1
                 bar.update(1)
             state["table"][name] = {str(r): d for r, d in row.items()}
