@@ -53,18 +53,18 @@ model_name = "smollm2"  # paper: "meta-llama/Llama-2-7b-chat-hf"
 k = 4  # calibration batches (one gradient each); paper: 75
 batch_size = 2  # sequences per calibration batch; paper: 128
 seq_len = 256  # tokens per calibration sequence; paper: 2048
-heldout_k = 2  # held-out calibration batches of the sensitivity sweep; paper: 8
+heldout_k = 1  # held-out calibration batches (2 x 256 tokens each) of the sensitivity sweep; paper: 8
 calib_docs = 500  # C4 documents for calibration; the rest are held out; paper: 500
 layers = None  # regex of the layers to compress (None: every linear layer of the blocks); paper: None
 eval_tokens = 4096  # tokens of each evaluation text (PTB test, Wikipedia); paper: 0 (all)
 eval_seq_len = 512  # perplexity window; paper: 2048
 full_methods = ["gfwsvd", "kfac_svd", "svd_llm"]  # methods on the full grid; paper: same
-full_ratios = [0.10, 0.20, 0.30]  # 5 and 15 % left out to fit 2 cores; paper: [0.1, 0.2, 0.3, 0.4, 0.5]
+full_ratios = [0.05, 0.10, 0.15, 0.20, 0.30]  # paper: [0.1, 0.2, 0.3, 0.4, 0.5]
 other_methods = ["svd", "fwsvd", "asvd"]  # methods on the reduced grid; paper: same
-other_ratios = [0.10, 0.20]  # paper: [0.1, 0.2, 0.3, 0.4, 0.5]
+other_ratios = [0.10, 0.20]  # fewer, to fit 2 cores; paper: [0.1, 0.2, 0.3, 0.4, 0.5]
 strategies = ["uniform", "sensitivity", "fisher"]  # paper: same
 sensitivity_methods = ["gfwsvd", "asvd"]  # the sweep is run for these (required); paper: all
-sens_ratios = [0.2, 0.4, 0.6, 0.8]  # candidate per-layer ratios of the sweep; paper: [0.1, ..., 0.9]
+sens_ratios = [0.3, 0.6, 0.9]  # candidate per-layer ratios of the sweep (3 x 210 evaluations); paper: [0.1, ..., 0.9]
 validation_layers = 24  # layers of the prediction check (every 210/24-th); paper: 64
 validation_ratios = [0.3, 0.6, 0.9]  # per-layer ratios of the prediction check; paper: same
 mff_tol = 1e-4  # MFF's target error; paper: 1e-4
@@ -121,7 +121,7 @@ df["wiki_x_dense"] = df["ppl_wiki"] / setup.base["ppl_wiki"]
 
 # %%
 table = df[["method", "strategy", "target_ratio", "ratio", "ppl_ptb", "ppl_wiki", "ptb_x_dense", "dense_layers",
-            "allocation_evaluations", "allocation_seconds", "compress_seconds"]].sort_values(
+            "allocation_evaluations", "sweep_seconds", "allocation_seconds", "compress_seconds"]].sort_values(
     ["method", "target_ratio", "strategy"])
 figures.save_table(table, "tab_rank_allocation", output_dir, params, started=started,
                    notebook="notebooks/fig_rank_allocation.py", floatfmt=".4g", label="tab:rank_allocation",
@@ -169,7 +169,8 @@ fis = df[(df.method == "gfwsvd")]
 whole = []
 from fisherkron.hf.allocation import fisher_curves  # noqa: E402
 
-curves, _ = fisher_curves(setup.model, "gfwsvd", setup.stats, setup.names, mff_options=setup.mff_options)
+curves, _ = fisher_curves(setup.model, "gfwsvd", setup.stats, setup.names, mff_options=setup.mff_options,
+                          decompositions=setup.decompositions_of("gfwsvd"))
 for case in rank_allocation._load(setup).items():
     key, row = case
     if not isinstance(row, dict) or row.get("method") != "gfwsvd":

@@ -208,3 +208,51 @@ def test_allocation_errors_are_one_line(calibrated):
         compress(copy.deepcopy(base), "svd", None, ratio=0.1, allocation="sensitivity")
     with pytest.raises(fk.FisherkronError, match="do not give rank"):
         compress(copy.deepcopy(base), "svd", None, rank=2, allocation="fisher")
+
+
+@pytest.mark.parametrize("kind", ["none", "diag", "chol"])
+@pytest.mark.parametrize("n,m", SHAPES)
+def test_decomposition_slices_equal_dense_reference_factors(n, m, kind):
+    """One full weighted SVD, sliced at rank r, is Eq. (7) at rank r (dense float64 reference)."""
+    from fisherkron.core.wsvd import decompose
+
+    g = torch.Generator().manual_seed(5 * n + m)
+    W = torch.randn(n, m, generator=g, dtype=torch.float64)
+    left, right = _weights(kind, n, m, g)
+    LB = torch.eye(n, dtype=torch.float64) if left is None else (torch.diag(left) if left.ndim == 1 else left)
+    LA = torch.eye(m, dtype=torch.float64) if right is None else (torch.diag(right) if right.ndim == 1 else right)
+    U, S, Vh = torch.linalg.svd(LB.T @ W @ LA)
+    dec = decompose(W, left, right)
+    for r in range(1, min(n, m) + 1):
+        want = torch.linalg.inv(LB.T) @ (U[:, :r] * S[:r]) @ Vh[:r] @ torch.linalg.inv(LA)  # Eq. (7), dense
+        W2, W1 = dec.factors(r)
+        torch.testing.assert_close(W2 @ W1, want, rtol=F64_REL, atol=F64_REL * float(W.abs().max()))
+
+
+def test_decompositions_cache_reuses_and_never_serves_stale(calibrated):
+    from fisherkron.hf.allocation import Decompositions
+
+    base, st = calibrated
+    names = list(st.layers)
+    cache = Decompositions()
+    a = copy.deepcopy(base)
+    ra = compress(a, "gfwsvd", st, ratio=0.2, allocation="fisher", decompositions=cache)
+    assert cache.misses == len(names) and len(cache) == len(names)
+    b = copy.deepcopy(base)
+    rb = compress(b, "gfwsvd", st, ratio=0.2, allocation="fisher", decompositions=cache)
+    assert cache.misses == len(names)  # curves and factors all from the cache
+    fresh = copy.deepcopy(base)
+    compress(fresh, "gfwsvd", st, ratio=0.2, allocation="fisher")
+    assert ra.ranks == rb.ranks
+    for (pa, pb), pf in zip(zip(a.parameters(), b.parameters()), fresh.parameters()):
+        assert torch.equal(pa, pb) and torch.equal(pa, pf)
+    # another option is another entry; a changed weight is recomputed, not served
+    cache.get(base.get_submodule(names[0]), "gfwsvd", st, names[0], min_alpha=0.1)
+    assert cache.misses == len(names) + 1
+    lin = copy.deepcopy(base.get_submodule(names[0]))
+    dec0, _ = cache.get(lin, "gfwsvd", st, names[0])
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+    dec1, _ = cache.get(lin, "gfwsvd", st, names[0])
+    assert cache.misses == len(names) + 2
+    assert not torch.allclose(dec0.S, dec1.S)

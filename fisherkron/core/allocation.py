@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .checks import check_matrix
+from .wsvd import decompose
 from .conventions import FisherkronError
 
 __all__ = ["truncation_errors", "max_profitable_rank", "choose_ranks", "choose_by_threshold", "saving"]
@@ -38,15 +39,6 @@ def max_profitable_rank(n: int, m: int) -> int:
 def saving(n: int, m: int, r: int | None) -> int:
     """Parameters removed by rank ``r`` (``None``: kept dense, 0)."""
     return 0 if r is None else n * m - r * (n + m)
-
-
-def _apply_T_inv(L: torch.Tensor | None, X: torch.Tensor) -> torch.Tensor:
-    """``L^{-T} X`` for a weight ``L`` (``None``: identity; vector: diagonal; matrix: lower triangular)."""
-    if L is None:
-        return X
-    if L.ndim == 1:
-        return X / L[:, None]
-    return torch.linalg.solve_triangular(L.T, X, upper=True)
 
 
 def truncation_errors(W, left=None, right=None, A=None, B=None) -> torch.Tensor:
@@ -65,24 +57,7 @@ def truncation_errors(W, left=None, right=None, A=None, B=None) -> torch.Tensor:
     """
     W = torch.as_tensor(W).double()
     check_matrix(W, "W")
-    n, m = W.shape
-    dev = W.device
-    LB = None if left is None else torch.as_tensor(left).double().to(dev)
-    LA = None if right is None else torch.as_tensor(right).double().to(dev)
-    Wt = W
-    if LB is not None:
-        Wt = LB[:, None] * Wt if LB.ndim == 1 else LB.T @ Wt
-    if LA is not None:
-        Wt = Wt * LA[None, :] if LA.ndim == 1 else Wt @ LA
-    U, S, Vh = torch.linalg.svd(Wt, full_matrices=False)  # (n, q), (q,), (q, m)
-    P = _apply_T_inv(LB, U * S[None, :])  # (n, q)
-    Q = _apply_T_inv(LA, Vh.T)  # (m, q)
-    G1 = P.T @ P if B is None else P.T @ torch.as_tensor(B).double().to(dev) @ P  # (q, q)
-    G2 = Q.T @ Q if A is None else Q.T @ torch.as_tensor(A).double().to(dev) @ Q  # (q, q)
-    E = G1 * G2
-    rev = torch.flip(E, (0, 1)).cumsum(0).cumsum(1)  # rev[a, b] = sum of E[q-1-a:, q-1-b:]
-    tail = torch.flip(torch.diagonal(rev), (0,))  # tail[r] = sum_{i, j >= r} E[i, j]
-    return torch.cat([tail, torch.zeros(1, dtype=tail.dtype, device=dev)]).clamp_min(0.0).cpu()
+    return decompose(W, left, right).errors(A, B)
 
 
 def choose_ranks(curves: Mapping[str, np.ndarray | torch.Tensor], shapes: Mapping[str, tuple[int, int]],

@@ -35,9 +35,10 @@ import torch
 from .checks import check_matrix, check_rank
 from .conventions import FisherkronError
 from .regularization import MIN_ALPHA
-from .wsvd import Factors, asvd_weight, cholesky_weight, fwsvd_weight, weighted_svd
+from .wsvd import Decomposition, Factors, asvd_weight, cholesky_weight, decompose, fwsvd_weight
 
-__all__ = ["Method", "METHODS", "method", "Weights", "method_weights", "factorize_weight", "ablate"]
+__all__ = ["Method", "METHODS", "method", "Weights", "method_weights", "decompose_weight", "factorize_weight",
+           "ablate"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,24 @@ def method_weights(name: str, n: int, m: int, *, A=None, B=None, diag_fisher=Non
     return Weights(rB.L, rA.L, alpha_A=shift + rA.alpha, alpha_B=shift + rB.alpha)
 
 
+def decompose_weight(name: str, W: torch.Tensor, *, A=None, B=None, diag_fisher=None, abs_mean=None, xxt=None,
+                     kfac=None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
+                     regularization: str = "diag", asvd_alpha: float = 0.5,
+                     layer: str = "weight") -> Decomposition:
+    """The full weighted SVD of ``W`` (``n x m``) by method ``name``: every rank's factors and error.
+
+    Arguments as for :func:`factorize_weight`; ``decompose_weight(...).factors(r)`` equals
+    ``factorize_weight(..., rank=r)`` (see :class:`~fisherkron.core.wsvd.Decomposition`).
+    """
+    W = torch.as_tensor(W)
+    check_matrix(W, layer)
+    n, m = W.shape
+    w = method_weights(name, n, m, A=A, B=B, diag_fisher=diag_fisher, abs_mean=abs_mean, xxt=xxt, kfac=kfac,
+                       alpha=alpha, min_alpha=min_alpha, regularization=regularization, asvd_alpha=asvd_alpha,
+                       layer=layer)
+    return decompose(W, w.left, w.right, name=layer, alpha_A=w.alpha_A, alpha_B=w.alpha_B)
+
+
 def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, diag_fisher=None,
                      abs_mean=None, xxt=None, kfac=None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
                      regularization: str = "diag", asvd_alpha: float = 0.5,
@@ -167,10 +186,7 @@ def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, d
     """
     W = torch.as_tensor(W)
     check_matrix(W, layer)
-    n, m = W.shape
-    check_rank(rank, n, m, layer)
-    w = method_weights(name, n, m, A=A, B=B, diag_fisher=diag_fisher, abs_mean=abs_mean, xxt=xxt, kfac=kfac,
-                       alpha=alpha, min_alpha=min_alpha, regularization=regularization, asvd_alpha=asvd_alpha,
-                       layer=layer)
-    W2, W1 = weighted_svd(W, rank, left=w.left, right=w.right, name=layer)
-    return Factors(W2, W1, alpha_A=w.alpha_A, alpha_B=w.alpha_B)
+    check_rank(rank, *W.shape, layer)
+    return decompose_weight(name, W, A=A, B=B, diag_fisher=diag_fisher, abs_mean=abs_mean, xxt=xxt, kfac=kfac,
+                            alpha=alpha, min_alpha=min_alpha, regularization=regularization,
+                            asvd_alpha=asvd_alpha, layer=layer).factors(rank, layer)

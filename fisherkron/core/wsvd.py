@@ -34,7 +34,7 @@ from .checks import as_tensor, check_finite, check_matrix, check_rank, check_squ
 from .conventions import FisherkronError
 from .regularization import MIN_ALPHA, Regularized, regularize
 
-__all__ = ["Factors", "weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "fisher_weighted_error",
+__all__ = ["Factors", "Decomposition", "decompose", "weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "fisher_weighted_error",
            "transform", "diagonal_floor", "fwsvd_weight", "asvd_weight", "cholesky_weight"]
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,98 @@ def _solve_upper_T(Lw: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve(Lw.T, X)
 
 
+class Decomposition:
+    r"""The full weighted SVD of one layer, from which every rank's factors and error follow (Eq. (7)).
+
+    With ``L_B^T W L_A = U S V^T`` (all ``q = min(n, m)`` triplets), keeps
+    ``P = L_B^{-T} U`` (``n x q``), ``S`` (``q``) and ``Q = L_A^{-T} V`` (``m x q``), so that
+
+    * the rank-``r`` factors of Theorem 1 are slices: ``W_2 = P_{:r} S_{:r}^{1/2}``,
+      ``W_1 = S_{:r}^{1/2} Q_{:r}^T`` (a triangular solve acts column by column, so solving
+      all ``q`` columns once and slicing equals solving ``r`` columns);
+    * ``W - W_r = P_{>r} S_{>r} Q_{>r}^T``, so the error in any metric ``A (x) B`` at every rank,
+      ``tr(dW_r^T B dW_r A)``, is :meth:`errors`: one pair of Gram matrices and a reverse
+      cumulative sum. In the method's own metric it is Theorem 1's tail ``sum_{i>r} s_i^2``.
+
+    One SVD then serves every rank a compression, an allocation or a sensitivity sweep asks
+    for. ``alpha_A`` / ``alpha_B`` are the regularisation the weights needed.
+    """
+
+    def __init__(self, P: torch.Tensor, S: torch.Tensor, Q: torch.Tensor, out_dtype: torch.dtype,
+                 alpha_A: float | None = None, alpha_B: float | None = None):
+        self.P, self.S, self.Q = P, S, Q  # (n, q), (q,), (m, q)
+        self.out_dtype = out_dtype
+        self.alpha_A, self.alpha_B = alpha_A, alpha_B
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.P.shape[0]), int(self.Q.shape[0])
+
+    def factors(self, rank: int, name: str = "weight") -> Factors:
+        """``(W2, W1)`` of rank ``rank`` (Eq. (7)), in the weight's dtype."""
+        n, m = self.shape
+        rank = check_rank(rank, n, m, name)
+        s = self.S[:rank].sqrt()
+        W2 = self.P[:, :rank] * s[None, :]  # (n, r): L_B^{-T} U S^1/2
+        W1 = s[:, None] * self.Q[:, :rank].T  # (r, m): S^1/2 V^T L_A^{-1}
+        return Factors(W2.to(self.out_dtype), W1.to(self.out_dtype), alpha_A=self.alpha_A, alpha_B=self.alpha_B)
+
+    def errors(self, A=None, B=None) -> torch.Tensor:
+        r"""``e[r] = tr(dW_r^T B dW_r A)`` for ``r = 0..q`` (``None``: identity metric); float64, ``e[q] = 0``.
+
+        ``dW_r = sum_{i>r} p_i s_i q_i^T``, so ``e[r] = sum_{i,j>r} (S P^T B P S)_{ij} (Q^T A Q)_{ij}``.
+        """
+        P, Q = self.P * self.S[None, :], self.Q  # (n, q), (m, q)
+        dev = P.device
+        G1 = P.T @ P if B is None else P.T @ torch.as_tensor(B).double().to(dev) @ P  # (q, q)
+        G2 = Q.T @ Q if A is None else Q.T @ torch.as_tensor(A).double().to(dev) @ Q  # (q, q)
+        E = G1 * G2
+        rev = torch.flip(E, (0, 1)).cumsum(0).cumsum(1)  # rev[a, b] = sum of E[q-1-a:, q-1-b:]
+        tail = torch.flip(torch.diagonal(rev), (0,))  # tail[r] = sum_{i, j >= r} E[i, j]
+        return torch.cat([tail, torch.zeros(1, dtype=tail.dtype, device=dev)]).clamp_min(0.0).cpu()
+
+    def __repr__(self) -> str:
+        n, m = self.shape
+        return f"Decomposition(n={n}, m={m}, alpha_A={self.alpha_A}, alpha_B={self.alpha_B})"
+
+
+def decompose(W, left=None, right=None, *, dtype: torch.dtype = torch.float64, name: str = "weight",
+              alpha_A: float | None = None, alpha_B: float | None = None) -> Decomposition:
+    r"""The full weighted SVD of ``W`` (``n x m``) with weights ``L_B`` (``left``) and ``L_A`` (``right``).
+
+    ``L_B^T W L_A = U S V^T``; returns :class:`Decomposition` holding ``L_B^{-T} U``, ``S`` and
+    ``L_A^{-T} V`` in ``dtype`` (float64 default). Weights as in :func:`weighted_svd`.
+    """
+    W = as_tensor(W, name)
+    out_dtype = W.dtype if W.is_floating_point() else torch.float32
+    check_matrix(W, name)
+    check_finite(W, name)
+    n, m = W.shape
+    W = W.to(dtype)
+    LB = _weight(left, n, f"{name}: left weight L_B", dtype)
+    LA = _weight(right, m, f"{name}: right weight L_A", dtype)
+    if LB is not None:
+        LB = LB.to(W.device)
+    if LA is not None:
+        LA = LA.to(W.device)
+    Wt = transform(W, LB, LA)  # (n, m): L_B^T W L_A
+    U, S, Vh = torch.linalg.svd(Wt, full_matrices=False)  # (n, q), (q,), (q, m)
+    V = Vh.T  # (m, q)
+    if LB is None:
+        P = U
+    elif LB.ndim == 1:
+        P = U / LB[:, None]
+    else:
+        P = _solve_upper_T(LB, U)  # L_B^{-T} U
+    if LA is None:
+        Q = V
+    elif LA.ndim == 1:
+        Q = V / LA[:, None]
+    else:
+        Q = _solve_upper_T(LA, V)  # L_A^{-T} V
+    return Decomposition(P, S, Q, out_dtype, alpha_A=alpha_A, alpha_B=alpha_B)
+
+
 def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = torch.float64,
                  name: str = "weight") -> Factors:
     r"""The weighted-SVD kernel, Eq. (7): ``W_2 W_1 = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}``.
@@ -125,7 +217,8 @@ def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = to
         name: layer name for error messages.
 
     Returns:
-        ``(W2, W1)``: ``W2`` is ``(n, r)``, ``W1`` is ``(r, m)``, ``W ~= W2 @ W1``.
+        ``(W2, W1)``: ``W2`` is ``(n, r)``, ``W1`` is ``(r, m)``, ``W ~= W2 @ W1``. For several
+        ranks of one weight, :func:`decompose` once and slice with :meth:`Decomposition.factors`.
 
     Example:
         >>> W = torch.randn(7, 5)
@@ -134,37 +227,10 @@ def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = to
         True
     """
     W = as_tensor(W, name)
-    out_dtype = W.dtype if W.is_floating_point() else torch.float32
     check_matrix(W, name)
-    check_finite(W, name)
-    n, m = W.shape
-    rank = check_rank(rank, n, m, name)
-    W = W.to(dtype)
-    LB = _weight(left, n, f"{name}: left weight L_B", dtype)
-    LA = _weight(right, m, f"{name}: right weight L_A", dtype)
-    if LB is not None:
-        LB = LB.to(W.device)
-    if LA is not None:
-        LA = LA.to(W.device)
-    Wt = transform(W, LB, LA)  # (n, m): L_B^T W L_A
-    U, S, Vh = torch.linalg.svd(Wt, full_matrices=False)
-    U, S, Vh = U[:, :rank], S[:rank], Vh[:rank]  # (n, r), (r,), (r, m)
-    s = S.sqrt()
-    US = U * s[None, :]  # (n, r): U S^1/2
-    SV = s[:, None] * Vh  # (r, m): S^1/2 V^T
-    if LB is None:
-        W2 = US
-    elif LB.ndim == 1:
-        W2 = US / LB[:, None]
-    else:
-        W2 = _solve_upper_T(LB, US)  # L_B^{-T} U S^1/2
-    if LA is None:
-        W1 = SV
-    elif LA.ndim == 1:
-        W1 = SV / LA[None, :]
-    else:
-        W1 = _solve_upper_T(LA, SV.T).T  # S^1/2 V^T L_A^{-1}
-    return Factors(W2.to(out_dtype), W1.to(out_dtype))
+    check_rank(rank, *W.shape, name)
+    f = decompose(W, left, right, dtype=dtype, name=name).factors(rank, name)
+    return Factors(f[0], f[1])
 
 
 def cholesky_weight(F, size: int, name: str, alpha=None, method: str = "diag",

@@ -25,7 +25,7 @@ from ..env import atomic_write, data_root
 __all__ = ["Setup", "prepare", "run_case", "validate_predictions", "CODE_VERSION"]
 
 log = logging.getLogger(__name__)
-CODE_VERSION = "rank-allocation-1"
+CODE_VERSION = "rank-allocation-2"  # 2: rows carry sweep_seconds
 
 
 @dataclass
@@ -44,6 +44,16 @@ class Setup:
     results_path: Path | None = None
     sens_ratios: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
     mff_options: dict = field(default_factory=dict)
+    decompositions: dict = field(default_factory=dict)  # method -> hf.allocation.Decompositions (one kept)
+
+    def decompositions_of(self, method: str):
+        """The weighted SVDs of ``method``, shared by its cases; those of other methods are dropped."""
+        from ..hf.allocation import Decompositions
+
+        if method not in self.decompositions:
+            self.decompositions.clear()
+            self.decompositions[method] = Decompositions()
+        return self.decompositions[method]
 
 
 def prepare(model_name: str = "smollm2", *, k: int = 4, batch_size: int = 2, seq_len: int = 256, seed: int = 0,
@@ -122,11 +132,13 @@ def run_case(setup: Setup, method: str, strategy: str, ratio: float, *, progress
                 if strategy == "sensitivity" else None)
         t = time.perf_counter()
         rep = compress(model, method, setup.stats, ratio=ratio, allocation=strategy, allocation_options=opts,
-                       mff_options=setup.mff_options, progress=progress)
+                       mff_options=setup.mff_options, decompositions=setup.decompositions_of(method),
+                       progress=progress)
         row = {"method": method, "strategy": strategy, "target_ratio": ratio, "ratio": rep.ratio,
                "compress_seconds": time.perf_counter() - t,
                "allocation_evaluations": (rep.allocation_cost or {}).get("evaluations", 0),
                "allocation_seconds": (rep.allocation_cost or {}).get("seconds", 0.0),
+               "sweep_seconds": (rep.allocation_cost or {}).get("sweep_seconds", 0.0),
                "dense_layers": sum(lr.skipped is not None for lr in rep.layers.values()),
                "ranks": rep.ranks}
         row.update(_score(setup, model))
@@ -143,22 +155,23 @@ def validate_predictions(setup: Setup, method: str = "gfwsvd", layers: list[str]
     from tqdm.auto import tqdm
 
     from ..core.lowrank import rank_for_ratio
-    from ..core.methods import factorize_weight
-    from ..hf.allocation import fisher_curves, layer_statistics, loss_with_factors
+    from ..hf.allocation import fisher_curves, loss_with_factors
 
     layers = layers or setup.names
-    curves, _ = fisher_curves(setup.model, method, setup.stats, layers, mff_options=setup.mff_options)
+    decs = setup.decompositions_of(method)
+    curves, _ = fisher_curves(setup.model, method, setup.stats, layers, mff_options=setup.mff_options,
+                              decompositions=decs)
 
     def compute() -> list[dict]:
         rows = []
         base = setup.base["heldout_loss"]
         for name in tqdm(layers, desc="validation", disable=not progress):
-            W = setup.model.get_submodule(name).weight.detach()
-            n, m = W.shape
-            given = layer_statistics(setup.stats, method, name, setup.mff_options)
+            lin = setup.model.get_submodule(name)
+            n, m = lin.weight.shape
+            dec, _ = decs.get(lin, method, setup.stats, name, mff_options=setup.mff_options)
             for rho in ratios:
                 r = rank_for_ratio(n, m, rho)
-                f = factorize_weight(method, W, r, layer=name, **given)
+                f = dec.factors(r, name)
                 loss = loss_with_factors(setup.model, name, f, setup.heldout)
                 rows.append({"layer": name, "ratio": rho, "rank": r, "predicted": float(curves[name][r]),
                              "measured": loss - base})

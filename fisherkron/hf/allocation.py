@@ -35,16 +35,16 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core.allocation import choose_by_threshold, choose_ranks, max_profitable_rank, saving, truncation_errors
+from ..core.allocation import choose_by_threshold, choose_ranks, max_profitable_rank, saving
 from ..core.conventions import FisherkronError
 from ..core.lowrank import LowRankLinear, rank_for_ratio
-from ..core.methods import METHODS, factorize_weight, method_weights
+from ..core.methods import METHODS, decompose_weight
 from ..core.regularization import MIN_ALPHA
 from ..env import atomic_write, data_root
 from .calibration import CalibrationStats, _default_loss, data_fingerprint
 
-__all__ = ["STRATEGIES", "Allocation", "allocate", "layer_statistics", "fisher_curves", "sensitivity_sweep",
-           "mean_loss", "loss_with_factors",
+__all__ = ["STRATEGIES", "Allocation", "allocate", "layer_statistics", "Decompositions", "fisher_curves",
+           "sensitivity_sweep", "mean_loss", "loss_with_factors",
            "SENSITIVITY_RATIOS"]
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,62 @@ def layer_statistics(stats: CalibrationStats | None, method: str, name: str, mff
     return given
 
 
+class Decompositions:
+    """Each layer's full weighted SVD by a method, computed once and sliced for every rank asked.
+
+    :func:`fisher_curves`, :func:`sensitivity_sweep`, :func:`allocate` and
+    :func:`fisherkron.compress` take one as ``decompositions=``: a study that compresses a model
+    at several ratios and allocations then runs one SVD per (method, layer) instead of one per
+    case. An entry is keyed by the method, the layer's name and weight fingerprint, the
+    calibration key and every option that changes the weights (regularisation, ``mff_options``),
+    so a changed weight or statistic is recomputed, never served stale. In memory only
+    (float64: about ``8 (n + m) min(n, m)`` bytes a layer); :meth:`clear` frees it.
+    """
+
+    def __init__(self):
+        self._store: dict[tuple, tuple] = {}
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def clear(self) -> None:
+        self._store.clear()
+
+    def get(self, module: nn.Linear, method: str, stats: CalibrationStats | None, name: str, *,
+            mff_options: dict | None = None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
+            regularization: str = "diag", asvd_alpha: float = 0.5, device=None, info: dict | None = None):
+        """The :class:`~fisherkron.core.wsvd.Decomposition` of ``module`` by ``method``, and the statistics read.
+
+        Returns ``(decomposition, given)`` where ``given`` are the statistics
+        (:func:`layer_statistics`); ``info`` receives MFF's diagnostics for the GFWSVD family.
+        """
+        from .calibration import layer_fingerprint
+
+        key = (method, name, layer_fingerprint(module), stats.key if stats is not None else None, alpha,
+               min_alpha, regularization, asvd_alpha if method == "asvd" else None,
+               json.dumps(sorted((mff_options or {}).items()), default=str))
+        hit = self._store.get(key)
+        if hit is not None:
+            self.hits += 1
+            if info is not None:
+                info.update(hit[2])
+            return hit[0], hit[1]
+        self.misses += 1
+        mff_info: dict = {}
+        given = layer_statistics(stats, method, name, mff_options, device=device, info=mff_info)
+        dec = decompose_weight(method, module.weight.detach(), alpha=alpha, min_alpha=min_alpha,
+                               regularization=regularization, asvd_alpha=asvd_alpha, layer=name, **given)
+        self._store[key] = (dec, given, mff_info)
+        if info is not None:
+            info.update(mff_info)
+        return dec, given
+
+
+def _decomposition(cache: Decompositions | None, module, method, stats, name, **kwargs):
+    return (cache if cache is not None else Decompositions()).get(module, method, stats, name, **kwargs)
+
+
 def _metric(stats: CalibrationStats, name: str, mff_options: dict | None, device=None):
     """The Kronecker Fisher ``(A, B)`` of a layer: MFF's when gradients were collected, else K-FAC's."""
     if "grads" in stats.stats:
@@ -128,20 +184,23 @@ def _metric(stats: CalibrationStats, name: str, mff_options: dict | None, device
 
 def fisher_curves(model: nn.Module, method: str, stats: CalibrationStats, names: list[str], *,
                   min_alpha: float = MIN_ALPHA, mff_options: dict | None = None, device=None,
+                  decompositions: Decompositions | None = None,
                   progress: bool = False) -> tuple[dict[str, torch.Tensor], str]:
-    """Predicted loss increase ``0.5 tr(dW^T B dW A)`` of every layer at every rank, and the metric used."""
+    """Predicted loss increase ``0.5 tr(dW^T B dW A)`` of every layer at every rank, and the metric used.
+
+    ``decompositions`` (a :class:`Decompositions`) keeps each layer's weighted SVD for the
+    compression that follows.
+    """
     mods = dict(model.named_modules())
     curves, metric = {}, None
     for name in tqdm(names, desc=f"fisher curves ({method})", disable=not progress):
-        W = mods[name].weight.detach()
-        n, m = W.shape
-        given = layer_statistics(stats, method, name, mff_options, device)
+        dec, given = _decomposition(decompositions, mods[name], method, stats, name, mff_options=mff_options,
+                                    min_alpha=min_alpha, device=device)
         if "A" in given:  # the GFWSVD family already read MFF's factors: they are the metric
             A, B, metric = given["A"], given["B"], "mff"
         else:
             A, B, metric = _metric(stats, name, mff_options, device)
-        w = method_weights(method, n, m, min_alpha=min_alpha, layer=name, **given)
-        curves[name] = 0.5 * truncation_errors(W, w.left, w.right, A, B)
+        curves[name] = 0.5 * dec.errors(A, B)
     return curves, metric
 
 
@@ -176,7 +235,7 @@ def loss_with_factors(model: nn.Module, name: str, factors, batches, loss_fn=Non
 def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], heldout,
                       *, ratios=SENSITIVITY_RATIOS, loss_fn=None, min_alpha: float = MIN_ALPHA,
                       mff_options: dict | None = None, cache: bool = True, cache_dir=None,
-                      progress: bool = False) -> dict:
+                      decompositions: Decompositions | None = None, progress: bool = False) -> dict:
     """Loss increase on ``heldout`` of compressing each layer alone at each candidate per-layer ratio.
 
     Returns ``{"base": loss, "table": {layer: {rank: increase}}, "evaluations": int, "seconds": float,
@@ -215,16 +274,16 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
         bar = tqdm(total=len(todo) * len(ratios), desc=f"sensitivity ({method})", disable=not progress)
         for name in todo:
             lin = mods[name]
-            W = lin.weight.detach()
-            n, m = W.shape
-            given = layer_statistics(stats, method, name, mff_options)
+            n, m = lin.weight.shape
+            dec, _ = _decomposition(decompositions, lin, method, stats, name, mff_options=mff_options,
+                                    min_alpha=min_alpha)
             row = {}
             for rho in ratios:
                 r = rank_for_ratio(n, m, rho)
                 if r in row or saving(n, m, r) <= 0:
                     bar.update(1)
                     continue
-                f = factorize_weight(method, W, r, min_alpha=min_alpha, layer=name, **given)
+                f = dec.factors(r, name)
                 row[r] = loss_with_factors(model, name, f, heldout, loss_fn) - state["base"]
                 state["evaluations"] += 1
                 bar.update(1)
@@ -244,7 +303,7 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
 def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], *, ratio: float,
              strategy: str = "fisher", heldout=None, loss_fn=None, sensitivity_ratios=SENSITIVITY_RATIOS,
              min_alpha: float = MIN_ALPHA, mff_options: dict | None = None, cache: bool = True, cache_dir=None,
-             progress: bool = False) -> Allocation:
+             decompositions: Decompositions | None = None, progress: bool = False) -> Allocation:
     """Ranks of the layers ``names`` that compress the whole model by at least ``ratio``.
 
     Args:
@@ -260,6 +319,7 @@ def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, name
         sensitivity_ratios: the candidate per-layer ratios of the sweep.
         min_alpha, mff_options: as for :func:`fisherkron.compress` (the same factors are used).
         cache, cache_dir: keep the sensitivity sweep on disk (default ``data/cache/allocation``).
+        decompositions: a :class:`Decompositions` shared with the compression that follows.
         progress: tqdm bars.
     """
     from .surgery import count_params, plan_ranks
@@ -281,7 +341,7 @@ def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, name
         if stats is None:
             raise FisherkronError("the fisher allocation needs calibration statistics (stats=)")
         curves, metric = fisher_curves(model, method, stats, names, min_alpha=min_alpha, mff_options=mff_options,
-                                       progress=progress)
+                                       decompositions=decompositions, progress=progress)
         ranks = choose_ranks(curves, shapes, need)
         predicted = {n: float(curves[n][r]) if r is not None else 0.0 for n, r in ranks.items()}
         out = Allocation(strategy, method, ratio, ranks, 0, total, predicted=predicted,
@@ -290,7 +350,7 @@ def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, name
     else:
         sweep = sensitivity_sweep(model, method, stats, names, heldout, ratios=sensitivity_ratios, loss_fn=loss_fn,
                                   min_alpha=min_alpha, mff_options=mff_options, cache=cache, cache_dir=cache_dir,
-                                  progress=progress)
+                                  decompositions=decompositions, progress=progress)
         ranks, tau = choose_by_threshold(sweep["table"], shapes, need)
         out = Allocation(strategy, method, ratio, ranks, 0, total, evaluations=sweep["evaluations"],
                          details={"threshold": tau, "base_loss": sweep["base"], "from_cache": sweep["from_cache"],

@@ -3,7 +3,7 @@ r"""Model surgery: replace selected ``nn.Linear`` layers by ``LowRankLinear`` (p
 Each selected ``W`` (``n x m``) becomes ``W_2 W_1`` (``n x r``, ``r x m``) by one of the
 methods of :data:`fisherkron.core.methods.METHODS` (SVD, FWSVD, ASVD, SVD-LLM, GFWSVD and
 the appendix ablations ``gfwsvd_diag`` / ``gfwsvd_offdiag``), dispatched through
-:func:`fisherkron.core.methods.factorize_weight`. For the GFWSVD family this module runs
+:func:`fisherkron.core.methods.decompose_weight`. For the GFWSVD family this module runs
 MFF (Algorithm 1) on the layer's calibration gradients, warm-started from K-FAC when the
 calibration collected it.
 
@@ -23,9 +23,9 @@ from tqdm.auto import tqdm
 from ..core.checks import check_rank
 from ..core.conventions import FisherkronError
 from ..core.lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
-from ..core.methods import factorize_weight, method as method_row
+from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
-from .allocation import layer_statistics
+from .allocation import Decompositions
 from .calibration import CalibrationStats, select_layers
 
 __all__ = ["compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport"]
@@ -153,7 +153,7 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
              regularization: str = "diag", alpha: float | None = None, min_alpha: float = MIN_ALPHA,
              asvd_alpha: float = 0.5,
              mff_options: dict | None = None, skip_unprofitable: bool = True,
-             allocation=None, allocation_options: dict | None = None,
+             allocation=None, allocation_options: dict | None = None, decompositions=None,
              progress: bool = False) -> CompressionReport:
     r"""Replace the selected ``nn.Linear`` layers of ``model`` in place by ``LowRankLinear``.
 
@@ -182,6 +182,9 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             loss increase, no model evaluation); or an :class:`~fisherkron.hf.allocation.Allocation`
             computed before. Layers the allocation keeps dense stay ``nn.Linear``.
         allocation_options: keyword arguments of :func:`fisherkron.hf.allocation.allocate`.
+        decompositions: a :class:`~fisherkron.hf.allocation.Decompositions` that keeps each
+            layer's full weighted SVD, so that compressing copies of one model at several ratios
+            or allocations runs one SVD per layer (default: a fresh one, used by this call only).
         progress: tqdm bar over layers.
 
     Returns:
@@ -194,6 +197,8 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         for stat in row.needs:
             stats._need(stat)
     t_all = time.perf_counter()
+    if decompositions is None:
+        decompositions = Decompositions()
     if layers is None and stats is not None:
         names = list(stats.layers)
         mods = dict(model.named_modules())
@@ -219,7 +224,8 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
                 raise FisherkronError(f"allocation={allocation!r} chooses the ranks for a target ratio=; "
                                       f"do not give rank= or ranks=")
             alloc = allocate(model, method, stats, names, ratio=ratio, strategy=allocation, min_alpha=min_alpha,
-                             mff_options=mff_options, progress=progress, **(allocation_options or {}))
+                             mff_options=mff_options, decompositions=decompositions, progress=progress,
+                             **(allocation_options or {}))
         plan = dict(alloc.ranks)
     else:
         plan = plan_ranks(model, names, rank=rank, ranks=ranks, ratio=ratio)
@@ -228,7 +234,8 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
     report = CompressionReport(method, before, before, 0, 0, target_ratio=ratio,
                                allocation="uniform" if alloc is None else alloc.strategy)
     if alloc is not None:
-        report.allocation_cost = {"evaluations": alloc.evaluations, "seconds": alloc.seconds}
+        report.allocation_cost = {"evaluations": alloc.evaluations, "seconds": alloc.seconds,
+                                  "sweep_seconds": alloc.details.get("sweep_seconds", 0.0)}
     opts = dict(mff_options or {})
     new: dict[str, LowRankLinear] = {}
 
@@ -255,13 +262,12 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             report.layer_params_after += dense
             continue
         mff_info: dict = {}
-        given = layer_statistics(stats, method, name, opts, info=mff_info)
+        dec, _ = decompositions.get(lin, method, stats, name, mff_options=opts, alpha=alpha, min_alpha=min_alpha,
+                                    regularization=regularization, asvd_alpha=asvd_alpha, info=mff_info)
         if mff_info:
             lr.fisher_share, lr.mff_matvecs, lr.mff_converged = (mff_info["fisher_share"], mff_info["matvecs"],
                                                                  mff_info["converged"])
-        W2, W1 = f = factorize_weight(method, W, r, alpha=alpha, min_alpha=min_alpha,
-                                      regularization=regularization, asvd_alpha=asvd_alpha, layer=name,
-                                      **given)
+        W2, W1 = f = dec.factors(r, name)
         lr.alpha_A, lr.alpha_B = f.alpha_A, f.alpha_B
         new[name] = LowRankLinear.from_factors(W2.to(W.dtype), W1.to(W.dtype),
                                                lin.bias.detach() if has_bias else None).to(W.device)
