@@ -256,3 +256,45 @@ def test_decompositions_cache_reuses_and_never_serves_stale(calibrated):
     dec1, _ = cache.get(lin, "gfwsvd", st, names[0])
     assert cache.misses == len(names) + 2
     assert not torch.allclose(dec0.S, dec1.S)
+
+
+def test_prefix_replay_gives_the_losses_of_whole_evaluations_and_skips_earlier_blocks(calibrated):
+    """Replaying the recorded outputs of the blocks before a layer's changes no loss, only the cost."""
+    from fisherkron.hf.allocation import PrefixReplay, loss_with_factors, mean_loss
+
+    base, st = calibrated
+    base.eval()
+    names = list(st.layers)
+    held = _batches(k=2, seed=7)
+    replay = PrefixReplay(base, names, held)
+    assert replay.enabled
+    assert replay.base == pytest.approx(mean_loss(base, held), rel=1e-12)
+    blocks = base.get_submodule(replay.path)
+    calls = []
+    hook = blocks[0].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        for name in (names[0], names[-1]):
+            W = base.get_submodule(name).weight.detach()
+            f = fk.svd(W, 2)
+            calls.clear()
+            fast = loss_with_factors(base, name, f, held, replay=replay)
+            ran_first_block = bool(calls)
+            slow = loss_with_factors(base, name, f, held)
+            assert fast == pytest.approx(slow, rel=1e-6), name
+            assert ran_first_block == (replay.index[name] == 0)
+    finally:
+        hook.remove()
+    assert mean_loss(base, held) == pytest.approx(replay.base, rel=1e-12)  # the model is as it was
+
+
+def test_prefix_replay_switches_itself_off_where_it_cannot_hold():
+    from fisherkron.hf.allocation import PrefixReplay
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    batches = [torch.randn(5, 4)]
+    replay = PrefixReplay(model, ["0", "2"], batches, loss_fn=lambda mdl, b: mdl(b).pow(2).mean())
+    assert not replay.enabled  # no list of blocks: whole evaluations
+    with torch.no_grad():
+        want = float(model(batches[0]).pow(2).mean())
+    assert replay.loss(model, "2") == pytest.approx(want)

@@ -44,7 +44,7 @@ from ..env import atomic_write, data_root
 from .calibration import CalibrationStats, _default_loss, data_fingerprint
 
 __all__ = ["STRATEGIES", "Allocation", "allocate", "layer_statistics", "Decompositions", "fisher_curves",
-           "sensitivity_sweep", "mean_loss", "loss_with_factors",
+           "sensitivity_sweep", "mean_loss", "loss_with_factors", "PrefixReplay",
            "SENSITIVITY_RATIOS"]
 
 log = logging.getLogger(__name__)
@@ -219,17 +219,122 @@ def mean_loss(model: nn.Module, batches, loss_fn=None) -> float:
 
 
 @torch.no_grad()
-def loss_with_factors(model: nn.Module, name: str, factors, batches, loss_fn=None) -> float:
-    """:func:`mean_loss` with layer ``name`` replaced by ``W2 W1`` (``factors``); the layer is put back after."""
+def loss_with_factors(model: nn.Module, name: str, factors, batches, loss_fn=None,
+                      replay: "PrefixReplay | None" = None) -> float:
+    """:func:`mean_loss` with layer ``name`` replaced by ``W2 W1`` (``factors``); the layer is put back after.
+
+    With ``replay`` (a :class:`PrefixReplay` recorded on these ``batches``), the blocks before
+    the layer's are not run again.
+    """
     lin = model.get_submodule(name)
     W = lin.weight.detach()
     low = LowRankLinear.from_factors(factors[0].to(W.dtype), factors[1].to(W.dtype),
                                      lin.bias.detach() if lin.bias is not None else None).to(W.device)
     model.set_submodule(name, low)
     try:
-        return mean_loss(model, batches, loss_fn)
+        return replay.loss(model, name) if replay is not None else mean_loss(model, batches, loss_fn)
     finally:
         model.set_submodule(name, lin)
+
+
+class _Replay(nn.Module):
+    """Stands in for a block whose output on the current batch was recorded."""
+
+    def __init__(self, out):
+        super().__init__()
+        self.out = out
+
+    def forward(self, *args, **kwargs):
+        return self.out
+
+
+def _block_list(model: nn.Module, names: list[str]):
+    """``(path of the nn.ModuleList of blocks, {layer: block index})``, or ``None`` if the layers are not in one list."""
+    mods = dict(model.named_modules())
+    path, index = None, {}
+    for name in names:
+        parts = name.split(".")
+        found = next(((".".join(parts[:i]), int(parts[i])) for i in range(len(parts) - 1, 0, -1)
+                      if parts[i].isdigit() and isinstance(mods.get(".".join(parts[:i])), nn.ModuleList)), None)
+        if found is None or (path is not None and found[0] != path):
+            return None
+        path, index[name] = found[0], found[1]
+    return (path, index) if path is not None else None
+
+
+class PrefixReplay:
+    r"""Held-out losses of a model in which one layer changed, running only the blocks from that layer's on.
+
+    A sensitivity sweep changes one layer at a time, so the blocks before it compute what the
+    dense model computes. Their outputs on each held-out batch are recorded once (forward
+    hooks on the model's list of blocks) and replayed: a layer in block ``b`` costs the blocks
+    ``b..L-1`` and the head instead of the whole model (about half the blocks on average).
+
+    The replay is checked when it is built: with the first half of the blocks replayed, the
+    loss must equal the dense loss to ``1e-6`` (relative); otherwise (a model whose blocks keep
+    state between calls, or whose layers are not in one ``nn.ModuleList``) it is switched off
+    and every evaluation runs the whole model. ``enabled`` says which.
+    """
+
+    @torch.no_grad()
+    def __init__(self, model: nn.Module, names: list[str], batches, loss_fn=None):
+        self.loss_fn = loss_fn or _default_loss
+        self.batches = list(batches)
+        self.outputs: list[list] = []
+        self.enabled = False
+        found = _block_list(model, names)
+        if found is None:
+            return
+        self.path, self.index = found
+        blocks = model.get_submodule(self.path)
+        losses = []
+        for batch in self.batches:
+            outs = [None] * len(blocks)
+
+            def keep(j):
+                return lambda mod, args, out: outs.__setitem__(j, out)
+
+            hooks = [blk.register_forward_hook(keep(j)) for j, blk in enumerate(blocks)]
+            try:
+                losses.append(float(self.loss_fn(model, batch)))
+            finally:
+                for h in hooks:
+                    h.remove()
+            if any(o is None for o in outs):
+                return
+            self.outputs.append(outs)
+        self.base = sum(losses) / len(losses)
+        try:
+            got = self._loss(model, max(1, len(blocks) // 2))
+        except Exception as exc:  # noqa: BLE001 - any failure means: evaluate the whole model
+            log.info("block replay is not possible for this model (%s); evaluating whole models", exc)
+            self.outputs = []
+            return
+        self.enabled = abs(got - self.base) <= 1e-6 * max(1.0, abs(self.base))
+        if not self.enabled:
+            log.info("block replay changes the loss (%.8g against %.8g); evaluating whole models", got, self.base)
+            self.outputs = []
+
+    @torch.no_grad()
+    def _loss(self, model: nn.Module, upto: int) -> float:
+        blocks = model.get_submodule(self.path)
+        orig = [blocks[j] for j in range(upto)]
+        total = 0.0
+        try:
+            for batch, outs in zip(self.batches, self.outputs):
+                for j in range(upto):
+                    blocks[j] = _Replay(outs[j])
+                total += float(self.loss_fn(model, batch))
+        finally:
+            for j, blk in enumerate(orig):
+                blocks[j] = blk
+        return total / len(self.batches)
+
+    def loss(self, model: nn.Module, name: str) -> float:
+        """Mean held-out loss of ``model``, which differs from the recorded one in layer ``name`` only."""
+        if not self.enabled:
+            return mean_loss(model, self.batches, self.loss_fn)
+        return self._loss(model, self.index[name])
 
 
 def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], heldout,
@@ -271,6 +376,7 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
         if "base" not in state:
             state["base"] = mean_loss(model, heldout, loss_fn)
             state["evaluations"] += 1
+        replay = PrefixReplay(model, todo, heldout, loss_fn) if todo else None
         bar = tqdm(total=len(todo) * len(ratios), desc=f"sensitivity ({method})", disable=not progress)
         for name in todo:
             lin = mods[name]
@@ -284,7 +390,7 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
                     bar.update(1)
                     continue
                 f = dec.factors(r, name)
-                row[r] = loss_with_factors(model, name, f, heldout, loss_fn) - state["base"]
+                row[r] = loss_with_factors(model, name, f, heldout, loss_fn, replay=replay) - state["base"]
                 state["evaluations"] += 1
                 bar.update(1)
             state["table"][name] = {str(r): d for r, d in row.items()}
