@@ -42,7 +42,7 @@ from ._version import __version__
 
 _HF = ("load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
        "load_task", "ptb", "wiki_text", "c4_documents", "lm_batches", "classification_batches",
-       "collect_calibration", "select_layers", "CalibrationStats",
+       "collect_calibration", "select_layers", "CalibrationStats", "precompute_kronecker",
        "compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport",
        "save_compressed", "load_compressed",
        "perplexity", "PerplexityResult", "classification_metrics", "predict_classifier",

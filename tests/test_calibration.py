@@ -62,7 +62,12 @@ def autograd_reference(model, batches, name):
     return torch.stack(Gs), xs, ds  # (k, n, m)
 
 
-def check_statistics_equal_autograd(kind, cache_dir) -> dict[str, float]:
+#: the layers whose statistics are checked against autograd (both shapes of each model)
+CHECKED_LAYERS = {"llama": r"model\.layers\.1\.(mlp\.(up|down)_proj|self_attn\.(q|k)_proj)",
+                  "bert": r"bert\.encoder\.layer\.0\.(attention\.self\.query|intermediate\.dense)"}
+
+
+def check_statistics_equal_autograd(kind, cache_dir, stats=None) -> dict[str, float]:
     """Every statistic of :func:`collect_calibration` against an autograd / float64 reference.
 
     The code sums in float32 per batch (the weight gradient over the batch's B*T positions,
@@ -72,10 +77,10 @@ def check_statistics_equal_autograd(kind, cache_dir) -> dict[str, float]:
     """
     model = tiny_llama() if kind == "llama" else tiny_bert()
     batches = lm_batches() if kind == "llama" else bert_batches()
-    layers = r"model\.layers\.1\.(mlp\.(up|down)_proj|self_attn\.(q|k)_proj)" if kind == "llama" else \
-        r"bert\.encoder\.layer\.0\.(attention\.self\.query|intermediate\.dense)"
+    layers = CHECKED_LAYERS[kind]
     names = select_layers(model, layers)
-    stats = collect_calibration(model, batches, layers, cache_dir=cache_dir)
+    if stats is None:  # else: statistics collected elsewhere (e.g. by several processes) on these batches
+        stats = collect_calibration(model, batches, layers, cache_dir=cache_dir)
     L = max(b["input_ids"].numel() for b in batches)  # positions per batch: the longest float32 sum
     k = len(batches)
     margins: dict[str, float] = {}

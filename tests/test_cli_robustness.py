@@ -340,3 +340,10 @@ def test_evaluate_errors_come_before_scoring(tmp_path, cheap, capsys, models):
     assert "3-label classification head" in error(["evaluate", models["bert3"], "--data", "sst2"], capsys)
     assert "does not exist" in error(["evaluate", tmp_path / "nothing"], capsys)
     assert "unknown lm-eval task" in error(["evaluate", models["llama"], "--tasks", "arc_easy,nope"], capsys)
+
+
+def test_compress_with_device_runs_gfwsvd(tmp_path, capsys, models):
+    """--device reaches MFF once (it travelled twice into CalibrationStats.kronecker: a TypeError)."""
+    out = tmp_path / "out"
+    assert run(["-q", "compress", models["llama"], "--out", out, *FAST, "--device", "cpu", "--method", "gfwsvd"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "gfwsvd"

@@ -74,6 +74,17 @@ def test_streamed_input_equals_stacked(tmp_path):
         torch.testing.assert_close(torch.kron(res.A, res.B), torch.kron(ref.A, ref.B), **FLOAT64)
 
 
+def test_slices_of_a_memory_mapped_file_are_their_own_gradients(tmp_path):
+    """A slice of np.load(mmap_mode="r") keeps the file's offset attribute: the rows read must be the slice's."""
+    G = torch.randn(6, 7, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    np.save(tmp_path / "g.npy", G.numpy())
+    mm = np.load(tmp_path / "g.npy", mmap_mode="r")
+    for rows in (slice(2, 5), slice(1, 6, 2), slice(5, 6)):  # contiguous, strided, one gradient (contiguous)
+        res = fk.mff(mm[rows], dtype=torch.float64)
+        ref = fk.mff(G[rows], dtype=torch.float64)
+        torch.testing.assert_close(torch.kron(res.A, res.B), torch.kron(ref.A, ref.B), **FLOAT64)
+
+
 def test_float32_default_close_to_float64():
     g = torch.Generator().manual_seed(12)
     G = torch.randn(16, 24, 12, generator=g, dtype=torch.float64)

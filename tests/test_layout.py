@@ -1,6 +1,6 @@
 """The package's layers, checked on its import graph (read from the source, nothing imported).
 
-core  <-  env  <-  hf  <-  experiments  <-  cli      (and _version, importable from all)
+core  <-  env  <-  hf  <-  experiments  <-  cli  <-  __main__      (and _version, importable from all)
 Each layer may import only from the layers to its left; the core needs only torch, numpy,
 scipy and tqdm besides the standard library.
 """
@@ -20,6 +20,7 @@ ALLOWED = {
     "hf": {"core", "env", "hf"},
     "experiments": {"core", "env", "hf", "experiments"},
     "cli": {"core", "env", "hf", "experiments", "cli"},
+    "__main__": {"cli"},  # python -m fisherkron (and torchrun -m fisherkron): the command line, nothing else
     "__init__": {"core", "env", "hf", "__init__"},
 }
 CORE_THIRD_PARTY = {"torch", "numpy", "scipy", "tqdm"}

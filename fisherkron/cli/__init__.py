@@ -160,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quiet and args.verbose:
         parser.error("-q/--quiet and -v/--verbose contradict each other; give one")
+    rank, world = _torchrun_env(parser)
+    if world > 1:
+        if args.command != "compress":
+            parser.exit(2, f"fisherkron: error: fisherkron {args.command} runs in one process; start it without "
+                           f"torchrun (only compress runs on several)\n")
+        if rank != 0:  # rank 0 reports; the others print nothing but errors
+            args.quiet, args.verbose = True, 0
     try:
         with _output(args.verbose, args.quiet):
             return int(args.func(args) or 0)
@@ -177,6 +184,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(1, f"fisherkron: error: out of memory ({_first_line(exc)[:200]}); "
                        f"lower --batch-size or --seq-len\n")
     return 0
+
+
+def _torchrun_env(parser) -> tuple[int, int]:
+    """``(RANK, WORLD_SIZE)`` as torchrun sets them; ``(0, 1)`` when started without it."""
+    try:
+        return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        parser.exit(2, f"fisherkron: error: RANK={os.environ.get('RANK')!r} and WORLD_SIZE="
+                       f"{os.environ.get('WORLD_SIZE')!r} must be integers (torchrun sets them)\n")
 
 
 def _out_of_memory() -> tuple[type[BaseException], ...]:

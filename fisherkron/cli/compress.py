@@ -12,11 +12,19 @@ or ``minilm``) is loaded with its head and calibrated on a classification task::
 The order is: check every option; check ``--out``; load the model; check ``--seq-len``
 against its positions; select the layers; plan the ranks (``--dry-run`` stops here and
 prints them); only then read data, calibrate, compress and save.
+
+Under ``torchrun --nproc_per_node=N -m fisherkron compress ...`` (``WORLD_SIZE > 1``) every
+process runs the checks, joins the process group (gloo on CPUs; NCCL with ``--device cuda``,
+rank r on ``cuda:LOCAL_RANK``), calibrates its share of the batches and takes part in MFF of
+every layer (``--mff-parallel batches``, data-parallel) or of its share of the layers
+(``--mff-parallel layers``); see :mod:`fisherkron.hf.distributed`. Rank 0 then compresses,
+saves and prints; the other ranks print nothing but errors.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 from ..core.conventions import FisherkronError
@@ -119,11 +127,25 @@ def _print_table(table: dict, file=None) -> None:
           f"{table['params_after']:,} params (ratio {table['ratio']:.2%})", file=file)
 
 
+def _torchrun(args):
+    """This process's :class:`~fisherkron.hf.distributed.Launch` under torchrun (``args.device`` set per rank), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    from ..hf.distributed import join_torchrun
+
+    launch = join_torchrun(args.device)
+    args.device = launch.device
+    return launch
+
+
 def _run(args) -> int:
     from .. import hf as api
 
     # 1. the options and the model's config.json; 2. the output folder
     s = _settings(args)
+    launch = _torchrun(args)
+    if launch is None and args.mff_parallel is not None:
+        log.info("--mff-parallel only matters under torchrun (WORLD_SIZE > 1); one process runs MFF layer by layer")
     if args.out is not None:
         opt.check_out_folder(args.out, overwrite=args.overwrite)
     if METHODS[args.method].needs and not args.dry_run:
@@ -142,6 +164,8 @@ def _run(args) -> int:
     log.info("%s loaded as %s (%s params); %d layers selected", args.model, s["task"],
              f"{table['params_before']:,}", len(names))
     if args.dry_run:
+        if launch is not None and launch.rank != 0:
+            return 0
         if not args.quiet:
             _print_table(table)
         print(json.dumps({"dry_run": True, "model": args.model, "task": s["task"], "method": args.method,
@@ -150,7 +174,17 @@ def _run(args) -> int:
         return 0
     if args.verbose:
         _print_table(table, file=sys.stderr)
-    # 4. the expensive part: data, perplexity before, calibration, compression, saving
+    if launch is None:
+        return _calibrate_compress_save(api, args, s, model, tok, seq_len)
+    launch.join(args.dist_timeout)
+    try:
+        return _calibrate_compress_save(api, args, s, model, tok, seq_len, names, launch)
+    finally:
+        launch.close()
+
+
+def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names=None, launch=None) -> int:
+    """Step 4, the expensive part: data, perplexity before, calibration, (MFF over the ranks,) compression, saving."""
     progress = not args.quiet
     if s["task"] == "causal-lm":
         batches = api.lm_batches(tok, api.c4_documents(), args.k, batch_size=args.batch_size,
@@ -160,19 +194,30 @@ def _run(args) -> int:
                                              batch_size=args.batch_size, max_length=seq_len,
                                              seed=args.seed, task=s["data"])
     before = None
-    if args.ppl_tokens:
+    if args.ppl_tokens and launch is None:
         before = api.perplexity(model, tok, api.ptb("test"), seq_len=seq_len,
                                 max_tokens=args.ppl_tokens, progress=progress).ppl
     stats = None
     if METHODS[args.method].needs:
         stats = api.collect_calibration(model, batches, args.layers, k=args.k, seed=args.seed,
                                         methods=(args.method,), cache=not args.no_cache,
-                                        cache_dir=args.cache_dir, progress=progress)
+                                        cache_dir=args.cache_dir, progress=progress,
+                                        group=None if launch is None else launch.group)
     mff_options = {}
-    if args.device is not None:
+    if args.device is not None and launch is None:
         mff_options["device"] = args.device
     if args.tol is not None:
         mff_options["tol"] = args.tol
+    if launch is not None:
+        if METHODS[args.method].kronecker:  # the factors go to the calibration cache, where compress reads them
+            from ..hf.distributed import precompute_kronecker
+            precompute_kronecker(stats, names, group=launch.group, parallel=args.mff_parallel or "batches",
+                                 device=args.device, progress=progress, **mff_options)
+        if launch.rank != 0:
+            return 0
+        if args.ppl_tokens:
+            before = api.perplexity(model, tok, api.ptb("test"), seq_len=seq_len,
+                                    max_tokens=args.ppl_tokens, progress=progress).ppl
     report = api.compress(model, args.method, stats, args.layers, rank=args.rank, ratio=args.ratio,
                           min_alpha=args.min_alpha, mff_options=mff_options, progress=progress)
     if not args.quiet:
@@ -234,4 +279,9 @@ def add_compress_command(sub, verbosity_options) -> None:
                    help="score PTB perplexity on this many tokens before/after (causal LMs)")
     c.add_argument("--dry-run", action="store_true",
                    help="load the model, plan the ranks, print them and the parameter counts; calibrate nothing")
+    c.add_argument("--mff-parallel", choices=("batches", "layers"), default=None,
+                   help="under torchrun: MFF of every layer on all ranks, each with its batches' gradients "
+                        "(batches, the default), or layer i on rank i %% world with all its gradients (layers)")
+    c.add_argument("--dist-timeout", type=opt.positive_float, default=1800.0,
+                   help="under torchrun: seconds a rank waits for the others before the run stops (default 1800)")
     c.set_defaults(func=_run)

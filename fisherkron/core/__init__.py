@@ -6,6 +6,7 @@ module                 what it holds
 ``conventions``        ``vec`` (column-major), ``unvec``, ``kron``: the one convention
 ``operators``          the rearranged Fisher ``R(F)`` as a matrix-free operator (Sec. 4.1)
 ``factorization``      MFF, Algorithm 1: ``F ~= A (x) B`` by Lanczos on ``R(F)`` (Sec. 4)
+``distributed``        data-parallel MFF over a ``torch.distributed`` group: one all-reduce per product
 ``kfac``               K-FAC factors, MFF's warm start
 ``regularization``     making ``A``, ``B`` positive definite (Sec. 5, "Singularity")
 ``wsvd``               the weighted SVD: GFWSVD (Theorem 1, Eq. (7)) and its special cases

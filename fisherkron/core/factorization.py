@@ -36,9 +36,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .checks import check_int, check_positive, check_square
 from .conventions import FisherkronError
+from .distributed import (agree, broadcast_int, broadcast_object, broadcast_tensor, fisher_norm_sq, resolve_group,
+                          world_of)
 from .operators import GradientStack, RearrangedFisher, _single_thread
 
 __all__ = ["MFFResult", "mff", "kronecker_terms"]
@@ -68,6 +71,11 @@ class MFFResult:
         executed_flops: flops the GEMMs did; below ``flops`` (the nominal ``2 k n m (n + m)``
             per product) when symmetric products skip the upper block triangle.
         terms_A, terms_B: all Kronecker terms (``F ~= sum_j A_j (x) B_j``) when ``terms > 1``.
+        world_size: processes that held the gradients (``group=``; 1 for one process).
+        comm_bytes: bytes this rank all-reduced in the products: ``8 (m^2 + 1)`` per product
+            with ``R(F)`` and ``8 (n^2 + 1)`` per product with ``R(F)^T`` (0 for one process;
+            the ``||F||`` exchange and the final broadcast of ``A``, ``B`` are not counted).
+        comm_seconds: wall time of those all-reduces (included in ``product_seconds``).
     """
 
     A: torch.Tensor
@@ -87,6 +95,9 @@ class MFFResult:
     terms_B: list[torch.Tensor] = field(default_factory=list)
     error_estimate: float = float("nan")
     start: str = "init"
+    world_size: int = 1
+    comm_bytes: int = 0
+    comm_seconds: float = 0.0
 
     @property
     def fisher_share(self) -> float:
@@ -107,6 +118,39 @@ class MFFResult:
     def executed_gflops(self) -> float:
         """GFLOP/s the GEMMs actually ran at: ``executed_flops / product_seconds``."""
         return self.executed_flops / max(self.product_seconds, 1e-12) / 1e9
+
+
+#: what one Lanczos step decides (broadcast from rank 0 under a process group)
+_GO, _SKIP, _STOP, _ZERO = 0, 1, 2, 3
+
+
+def _local_stack(grads, group, dtype, device, memory_budget, name) -> tuple[GradientStack, int]:
+    """This rank's gradients as a stack and the global ``k = sum_p k_p`` (one ``all_gather``).
+
+    A rank may hold no gradients (an empty list or a ``(0, n, m)`` array); it learns
+    ``n x m`` from the others. Every rank raises the same error if a rank's input is bad,
+    the shapes disagree, or no rank holds a gradient.
+    """
+    stack, error = None, None
+    try:
+        stack = GradientStack.of(grads, dtype, device=device, memory_budget=memory_budget, name=name,
+                                 allow_empty=True)
+    except Exception as exc:  # noqa: BLE001 - shared below, so no rank waits for a failed one
+        error = exc
+    agree(group, error, f"{name}: reading the gradients")
+    shapes = [None] * world_of(group)
+    dist.all_gather_object(shapes, (stack.k, stack.n, stack.m), group=group)
+    held = {(n, m) for k, n, m in shapes if k > 0}
+    if not held:
+        raise FisherkronError(f"{name}: no rank holds a gradient; give the ranks the calibration batches")
+    if len(held) > 1:
+        raise FisherkronError(f"{name}: the ranks hold gradients of different shapes {sorted(held)}; "
+                              f"every rank must pass the same layer's gradients")
+    (n, m), = held
+    if stack.k == 0:
+        stack = GradientStack(torch.zeros(0, n, m, dtype=dtype), dtype=dtype, device=device,
+                              memory_budget=memory_budget, name=name, allow_empty=True)
+    return stack, sum(k for k, _, _ in shapes)
 
 
 def _sym(X: torch.Tensor) -> torch.Tensor:
@@ -292,7 +336,7 @@ def _kron_change(s_new, x_new, y_new, s_old, x_old, y_old) -> float:
 
 def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matvecs: int = 300,
         dtype: torch.dtype = torch.float32, device=None, memory_budget: int | None = None,
-        compute_norm: bool = True, name: str = "layer") -> MFFResult:
+        compute_norm: bool = True, name: str = "layer", group=None) -> MFFResult:
     r"""Algorithm 1 (MFF): ``F ~= A (x) B`` from the leading singular triplet of ``R(F)``.
 
     ``R(F) vec(B) ~= sigma vec(A)``; ``A = sqrt(sigma) mat(u_1)``,
@@ -319,8 +363,18 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
         dtype: compute dtype of the GEMMs (float32 default; float64 for references).
         device: device of the GEMMs (default: that of ``grads``).
         memory_budget: bytes the gradients and work buffers may use.
-        compute_norm: compute ``||F||_F^2`` (one extra pass over the gradients).
+        compute_norm: compute ``||F||_F^2`` (one extra pass over the gradients; with a
+            ``group`` every gradient is also broadcast once, see
+            :func:`fisherkron.core.distributed.fisher_norm_sq`).
         name: layer name for error messages.
+        group: data-parallel MFF over a ``torch.distributed`` process group, or ``"auto"``
+            for the default group when one is initialised with more than one process
+            (default ``None``: this process alone). Each rank passes the gradients of its
+            own batches (possibly none); ``R(F)`` is their mean over the *global* ``k``.
+            Every product is a local sum and one ``all_reduce`` of an ``m x m`` or ``n x n``
+            float64 matrix (``comm_bytes`` in the result); the start, every stop decision
+            and the final factors come from rank 0, so every rank runs the same collectives
+            and returns the same result. See :mod:`fisherkron.core.distributed`.
 
     Example:
         >>> A0, B0 = torch.eye(2, dtype=torch.float64), torch.diag(torch.tensor([1., 2., 3.], dtype=torch.float64))
@@ -334,8 +388,13 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
     if tol is not None:
         check_positive(tol, "tol", below=1.0)
     t0 = time.perf_counter()
-    stack = GradientStack.of(grads, dtype, device=device, memory_budget=memory_budget, name=name)
-    op = RearrangedFisher(stack)
+    group = resolve_group(group)
+    if group is None:
+        stack = GradientStack.of(grads, dtype, device=device, memory_budget=memory_budget, name=name)
+        op = RearrangedFisher(stack)
+    else:
+        stack, k_total = _local_stack(grads, group, dtype, device, memory_budget, name)
+        op = RearrangedFisher(stack, group=group, k=k_total)
     n, m = op.n, op.m
     if terms > min(n, m) ** 2:
         raise FisherkronError(f"terms={terms} exceeds the rank bound min(n, m)^2={min(n, m) ** 2} of R(F)")
@@ -356,6 +415,8 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
         start = "random"
     if Z0.norm() == 0:
         raise FisherkronError("init (the output-side factor B) has a zero symmetric part")
+    if group is not None:  # one start for all ranks: rank 0's
+        Z0 = broadcast_tensor(Z0, group)
     gk = _GolubKahan(_Swapped(op) if swapped else op, Z0, symmetric, identity=identity)
 
     history: list[float] = []
@@ -368,25 +429,31 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
     while op.num_matvecs < max_matvecs:
         gk.step()
         s, X, Y, res = gk.ritz(terms)
+        action = _GO
         if s.numel() == 0 or s[0] <= 0:
-            if gk.alpha and gk.alpha[0] == 0:
-                raise FisherkronError(f"{name}: R(F) maps the start to zero (all gradients zero?)")
+            action = _ZERO if gk.alpha and gk.alpha[0] == 0 else _SKIP
+        else:
+            if not torch.isnan(res[0]):
+                res_bound = float(res[:terms].max() / s[0])
+            if prev is not None and terms == 1:
+                change = _kron_change(float(s[0]), X[:, 0], Y[:, 0], *prev)
+                history.append(change)
+                estimate = _error_estimate(history)
+                if change < tol / 10:  # tiny change: stop even before the decay rate is known
+                    estimate = min(estimate, change)
+                if estimate < tol:
+                    action = _STOP
+            if terms > 1 and s.numel() >= terms and op.num_matvecs >= min_steps and res_bound < tol:
+                action = _STOP
+            if gk.breakdown:
+                action = _STOP
+        if group is not None:  # rank 0 decides, so every rank runs the same number of products
+            action = broadcast_int(action, group)
+        if action == _ZERO:
+            raise FisherkronError(f"{name}: R(F) maps the start to zero (all gradients zero?)")
+        if action == _SKIP:
             continue
-        if not torch.isnan(res[0]):
-            res_bound = float(res[:terms].max() / s[0])
-        if prev is not None and terms == 1:
-            change = _kron_change(float(s[0]), X[:, 0], Y[:, 0], *prev)
-            history.append(change)
-            estimate = _error_estimate(history)
-            if change < tol / 10:  # tiny change: stop even before the decay rate is known
-                estimate = min(estimate, change)
-            if estimate < tol:
-                converged = True
-                break
-        if terms > 1 and s.numel() >= terms and op.num_matvecs >= min_steps and res_bound < tol:
-            converged = True
-            break
-        if gk.breakdown:
+        if action == _STOP:
             converged = True
             break
         prev = (float(s[0]), X[:, 0].clone(), Y[:, 0].clone())
@@ -416,14 +483,23 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
         torch.cuda.synchronize(stack.device)
     seconds = time.perf_counter() - t0
     flops = op.nominal_flops
-    fnorm = stack.fisher_norm_sq() if compute_norm else float("nan")
+    if group is None:
+        fnorm = stack.fisher_norm_sq() if compute_norm else float("nan")
+    else:
+        fnorm = fisher_norm_sq(stack, group, op.k) if compute_norm else float("nan")
+        # every rank returns rank 0's result (the ranks' bases agree only to round-off)
+        terms_A = [broadcast_tensor(a, group) for a in terms_A]
+        terms_B = [broadcast_tensor(b, group) for b in terms_B]
+        s, converged, change, res_bound, history, estimate, fnorm = broadcast_object(
+            (s.clone(), converged, change, res_bound, history, estimate, fnorm), group)
     log.debug("%s: MFF %d matvecs, %.2f s, change %.2e", name, op.num_matvecs, seconds, change)
     return MFFResult(A=terms_A[0], B=terms_B[0], sigma=s.clone(), fisher_norm_sq=fnorm,
                      matvecs=op.num_matvecs, converged=converged, rel_change=change,
                      residual=res_bound, seconds=seconds, flops=flops,
                      history=history, product_seconds=op.product_seconds, executed_flops=op.executed_flops,
                      terms_A=terms_A if terms > 1 else [], terms_B=terms_B if terms > 1 else [],
-                     error_estimate=estimate, start=start)
+                     error_estimate=estimate, start=start, world_size=world_of(group),
+                     comm_bytes=op.comm_bytes, comm_seconds=op.comm_seconds)
 
 
 def kronecker_terms(grads, r: int, **kwargs) -> MFFResult:

@@ -28,9 +28,11 @@ the memory budget are streamed in chunks of batches, from memory or from a
 """
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -134,9 +136,14 @@ def default_memory_budget(device: torch.device) -> int:
 
 
 def _npy_file(src) -> tuple[str, int, np.dtype] | None:
-    """``(path, data offset, dtype)`` of a C-ordered memory-mapped ``.npy`` source, else None."""
-    if isinstance(src, np.memmap) and getattr(src, "filename", None) and src.flags.c_contiguous \
-            and src.dtype in (np.float32, np.float64) and src.dtype.isnative:
+    """``(path, data offset, dtype)`` of a C-ordered memory-mapped ``.npy`` source, else None.
+
+    Only a whole memory map qualifies (its buffer is the ``mmap`` itself): a slice of one
+    (``np.load(f, mmap_mode="r")[2:5]``) keeps the file's ``offset`` attribute, which is not
+    where the slice starts, so slices are read through the array instead.
+    """
+    if isinstance(src, np.memmap) and isinstance(src.base, mmap.mmap) and getattr(src, "filename", None) \
+            and src.flags.c_contiguous and src.dtype in (np.float32, np.float64) and src.dtype.isnative:
         return str(src.filename), int(src.offset), src.dtype
     return None
 
@@ -159,11 +166,15 @@ class GradientStack:
         device: where the GEMMs run; CUDA tensors stay on their device.
         memory_budget: bytes the stack and its work buffers may use.
         name: used in error messages (e.g. the layer name).
+        allow_empty: accept no gradients at all (``k = 0``): a rank of a process group that
+            holds none of the batches (see :mod:`fisherkron.core.distributed`). An empty
+            iterable then gives ``n = m = 0`` (the shape is learnt from the other ranks).
     """
 
     def __init__(self, grads, dtype: torch.dtype = torch.float32, device=None,
-                 memory_budget: int | None = None, name: str = "gradients"):
+                 memory_budget: int | None = None, name: str = "gradients", allow_empty: bool = False):
         self.name = name
+        self.allow_empty = allow_empty
         self.dtype = dtype
         self._tmpfile: str | None = None
         if isinstance(grads, GradientStack):
@@ -189,7 +200,7 @@ class GradientStack:
         if src.ndim != 3:
             raise FisherkronError(f"{name}: expected a (k, n, m) stack of gradients, got shape {tuple(src.shape)}")
         self.k, self.n, self.m = (int(s) for s in src.shape)
-        if self.k < 1 or self.n < 1 or self.m < 1:
+        if (self.k < 1 and not allow_empty) or ((self.n < 1 or self.m < 1) and self.k > 0):
             raise FisherkronError(f"{name}: empty gradient stack of shape {tuple(src.shape)}")
         if device is None:
             device = src.device if isinstance(src, torch.Tensor) else torch.device("cpu")
@@ -197,13 +208,15 @@ class GradientStack:
         self._source = src
         self.memory_budget = int(memory_budget) if memory_budget else default_memory_budget(self.device)
         itemsize = torch.finfo(dtype).bits // 8
-        self.bytes_per_grad = self.n * self.m * itemsize
+        self.bytes_per_grad = max(1, self.n * self.m * itemsize)
         # A chunk needs itself, its (n, kc, m) copy and one work buffer of the same size.
         self.chunk_size = max(1, min(self.k, self.memory_budget // (3 * self.bytes_per_grad)))
         self._resident: list[torch.Tensor] | None = None
         self._buf: torch.Tensor | None = None  # reused (n, kc, m) chunk buffer of the streamed path
         self._file = _npy_file(src)
-        if 2 * self.k * self.bytes_per_grad <= self.memory_budget:
+        if self.k == 0:  # allow_empty: nothing to hold
+            self._resident = []
+        elif 2 * self.k * self.bytes_per_grad <= self.memory_budget:
             self._resident = list(self._load_chunks(self.k))
             self.chunk_size = self.k
 
@@ -242,6 +255,8 @@ class GradientStack:
             else:
                 fh.write(g.numpy().tobytes())
         if count == 0:
+            if self.allow_empty:
+                return torch.zeros(0, 0, 0, dtype=store)
             raise FisherkronError(f"{self.name}: no gradients were given")
         if fh is None:
             return torch.stack(held)
@@ -272,7 +287,9 @@ class GradientStack:
             else:
                 part = self._source[start:stop]
                 if isinstance(part, np.ndarray):
-                    part = torch.from_numpy(np.ascontiguousarray(part))
+                    with warnings.catch_warnings():  # a read-only memory map: these tensors are only read
+                        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                        part = torch.from_numpy(np.ascontiguousarray(part))
                 part = part.to(self.device, self.dtype)  # (kc, n, m)
                 self._check_chunk(part, start)
                 if out is None:
@@ -374,11 +391,23 @@ class RearrangedFisher(spla.LinearOperator):
     column-major ``vec``. The matrix forms :meth:`apply` and
     :meth:`apply_adjoint` work on torch tensors on the gradients' device and
     are what :func:`fisherkron.mff` uses. ``num_matvecs`` counts applications.
+
+    With a process group (``group``; see :mod:`fisherkron.core.distributed`) ``grads`` are
+    this rank's ``k_p`` gradients and ``k`` is the total over the ranks: each product is the
+    local sum ``sum_{i in p} G_i^T Z G_i``, one ``all_reduce`` of that ``m x m`` (or ``n x n``)
+    float64 matrix, and the division by the global ``k``. ``comm_bytes`` counts the bytes
+    all-reduced (``8 (m^2 + 1)`` or ``8 (n^2 + 1)`` per product); flop counts are this rank's.
     """
 
-    def __init__(self, grads: GradientStack):
+    def __init__(self, grads: GradientStack, group=None, k: int | None = None):
         self.grads = grads
         self.n, self.m, self.k = grads.n, grads.m, grads.k
+        self.k_local = grads.k  # gradients held here: the flops; k: the mean's denominator
+        self.group = group
+        if k is not None:
+            self.k = int(k)
+        self.comm_bytes = 0  # bytes all-reduced by the products (process group only)
+        self.comm_seconds = 0.0  # wall time inside those all_reduce calls
         self.num_matvecs = 0
         self.product_seconds = 0.0  # wall time inside apply/apply_adjoint (device synchronised)
         self.executed_flops = 0  # flops the GEMMs actually did (fewer than nominal for symmetric inputs)
@@ -392,25 +421,64 @@ class RearrangedFisher(spla.LinearOperator):
             torch.cuda.synchronize(self.grads.device)
 
     def _product(self, X: torch.Tensor | None, per_chunk, executed_flops: float,
-                 nominal_flops: float | None = None) -> torch.Tensor:
-        """``(1/k) sum_chunks per_chunk(X, G_c)`` accumulated in float64, with timing and flop counts."""
+                 nominal_flops: float | None = None, size: int = 0) -> torch.Tensor:
+        """``(1/k) sum_chunks per_chunk(X, G_c)`` accumulated in float64, with timing and flop counts.
+
+        With a process group the local sum goes into a flat buffer with one more entry
+        (``size x size`` result + the failure flag) and is summed over the ranks.
+        """
         t0 = time.perf_counter()
         dev = self.grads.device
         if X is not None:
             with _single_thread(dev, X.numel()):
                 X = X.to(dev, self.grads.dtype)
-        out = None
-        for Gc in self.grads.chunks():  # (n, kc, m)
-            part = per_chunk(X, Gc)
-            with _single_thread(dev, part.numel()):
-                out = part.double() if out is None else out.add_(part)
+        if self.group is not None:
+            out = self._reduced_product(X, per_chunk, size)
+        else:
+            out = None
+            for Gc in self.grads.chunks():  # (n, kc, m)
+                part = per_chunk(X, Gc)
+                with _single_thread(dev, part.numel()):
+                    out = part.double() if out is None else out.add_(part)
         self.num_matvecs += 1
         self.executed_flops += int(executed_flops)
-        self.nominal_flops += int(matvec_flops(self.n, self.m, self.k) if nominal_flops is None else nominal_flops)
+        self.nominal_flops += int(matvec_flops(self.n, self.m, self.k_local) if nominal_flops is None
+                                  else nominal_flops)
         with _single_thread(dev, out.numel()):
             out = out.div_(self.k)
         self._sync()
         self.product_seconds += time.perf_counter() - t0
+        return out
+
+    def _reduced_product(self, X, per_chunk, size: int) -> torch.Tensor:
+        """This rank's ``sum_chunks per_chunk(X, G_c)`` summed over the ranks (``size x size``, float64).
+
+        A local failure (an unreadable or non-finite gradient) still takes part in the
+        ``all_reduce``, with zeros and its flag set; then every rank raises.
+        """
+        from .distributed import all_reduce_sum, product_comm_bytes
+
+        dev = self.grads.device
+        buf = torch.zeros(size * size + 1, dtype=torch.float64, device=dev)  # (size^2 + 1,): result, flag
+        out = buf[:-1].view(size, size)
+        error = None
+        try:
+            for Gc in self.grads.chunks():  # (n, kc, m)
+                part = per_chunk(X, Gc)
+                with _single_thread(dev, part.numel()):
+                    out.add_(part)
+        except Exception as exc:  # noqa: BLE001 - shared with the other ranks through the flag
+            error = exc
+            out.zero_()
+        t0 = time.perf_counter()
+        buf, failures = all_reduce_sum(buf, self.group, failed=error is not None)
+        self.comm_seconds += time.perf_counter() - t0
+        self.comm_bytes += product_comm_bytes(size)
+        if failures:
+            if error is not None:
+                raise error
+            raise FisherkronError(f"{self.grads.name}: MFF stopped because {failures} other rank(s) failed "
+                                  f"(see their error)")
         return out
 
     def apply(self, Z: torch.Tensor | None, symmetric: bool = False) -> torch.Tensor:
@@ -427,14 +495,16 @@ class RearrangedFisher(spla.LinearOperator):
                 Gs = Gc.view(n * Gc.shape[1], m).T
                 return _sym_gemm_nt(Gs, Gs, True)
 
-            return self._product(None, gram, 2 * self.k * n * m * m * _sym_gemm_fraction(m, True), 2 * self.k * n * m * m)
+            return self._product(None, gram, 2 * self.k_local * n * m * m * _sym_gemm_fraction(m, True),
+                                 2 * self.k_local * n * m * m, size=m)
 
         def per_chunk(Z, Gc):  # Gc: (n, kc, m)
             kc = Gc.shape[1]
             P = Z @ Gc.view(n, kc * m)  # (n, kc m): Z G_i side by side
             return _sym_gemm_nt(Gc.view(n * kc, m).T, P.view(n * kc, m).T, symmetric)  # (m, m): sum G_i^T Z G_i
 
-        return self._product(Z, per_chunk, 2 * self.k * n * m * (n + m * _sym_gemm_fraction(m, symmetric)))
+        return self._product(Z, per_chunk, 2 * self.k_local * n * m * (n + m * _sym_gemm_fraction(m, symmetric)),
+                             size=m)
 
     def apply_adjoint(self, Y: torch.Tensor | None, symmetric: bool = False) -> torch.Tensor:
         """``(1/k) sum_i G_i Y G_i^T`` for ``Y`` (``m x m``) -> ``n x n`` (float64 accumulation over chunks).
@@ -448,14 +518,16 @@ class RearrangedFisher(spla.LinearOperator):
                 Gs = Gc.view(n, Gc.shape[1] * m)
                 return _sym_gemm_nt(Gs, Gs, True)
 
-            return self._product(None, gram, 2 * self.k * n * n * m * _sym_gemm_fraction(n, True), 2 * self.k * n * n * m)
+            return self._product(None, gram, 2 * self.k_local * n * n * m * _sym_gemm_fraction(n, True),
+                                 2 * self.k_local * n * n * m, size=n)
 
         def per_chunk(Y, Gc):  # Gc: (n, kc, m)
             kc = Gc.shape[1]
             P = Gc.view(n * kc, m) @ Y  # (n kc, m): G_i Y stacked
             return _sym_gemm_nt(P.view(n, kc * m), Gc.view(n, kc * m), symmetric)  # (n, n): sum G_i Y G_i^T
 
-        return self._product(Y, per_chunk, 2 * self.k * n * m * (m + n * _sym_gemm_fraction(n, symmetric)))
+        return self._product(Y, per_chunk, 2 * self.k_local * n * m * (m + n * _sym_gemm_fraction(n, symmetric)),
+                             size=n)
 
     # -- scipy LinearOperator interface ----------------------------------------
     def _matvec(self, x):

@@ -6,7 +6,9 @@ module             what it holds
 ``registry``       ``load_model``: embedded MiniLM / SmolLM2, local folders, paper-scale hub names
 ``data``           calibration and evaluation data that ship inside packages (offline)
 ``calibration``    per-batch gradients and the statistics every method reads, cached on disk
+``distributed``    under torchrun: the process group, and MFF of all layers spread over the ranks
 ``surgery``        ``compress``: replace ``nn.Linear`` layers by ``LowRankLinear`` (Secs. 5-6)
+``speed``          FLOPs of a forward pass (analytic, and counted on a meta copy); measured layer speed
 ``saving``         ``save_compressed`` / ``load_compressed``: safetensors folders
 ``evaluate``       perplexity, GLUE-style metrics, lm-eval tasks
 ``lm_eval_tasks``  local lm-eval task folders built from packaged data
@@ -17,6 +19,7 @@ Needs the ``hf`` extra (transformers, safetensors, datasets, ...). Builds on
 """
 from .calibration import CalibrationStats, collect_calibration, select_layers
 from .data import c4_documents, classification_batches, lm_batches, load_task, ptb, wiki_text
+from .distributed import precompute_kronecker
 from .evaluate import (PerplexityResult, classification_metrics, evaluate_classifier, perplexity,
                        predict_classifier, run_lm_eval)
 from .lm_eval_tasks import LOCAL_TASKS, write_tasks
@@ -27,7 +30,7 @@ from .surgery import CompressionReport, LayerReport, compress, count_params, pla
 __all__ = [
     "load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
     "load_task", "ptb", "wiki_text", "c4_documents", "lm_batches", "classification_batches",
-    "collect_calibration", "select_layers", "CalibrationStats",
+    "collect_calibration", "select_layers", "CalibrationStats", "precompute_kronecker",
     "compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport",
     "save_compressed", "load_compressed",
     "perplexity", "PerplexityResult", "classification_metrics", "predict_classifier",

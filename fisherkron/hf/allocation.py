@@ -107,7 +107,9 @@ def layer_statistics(stats: CalibrationStats | None, method: str, name: str, mff
     if "kfac" in row.needs:
         given["kfac"] = stats.kfac(name)
     if row.kronecker:
-        res = stats.kronecker(name, device=device, **(mff_options or {}))
+        opts = dict(mff_options or {})
+        device = opts.pop("device", device)  # the CLI's --device travels in mff_options
+        res = stats.kronecker(name, device=device, **opts)
         given["A"], given["B"] = res["A"], res["B"]  # (m, m), (n, n)
         if info is not None:
             info.update({k: res[k] for k in ("fisher_share", "matvecs", "converged")})
@@ -173,7 +175,9 @@ def _decomposition(cache: Decompositions | None, module, method, stats, name, **
 def _metric(stats: CalibrationStats, name: str, mff_options: dict | None, device=None):
     """The Kronecker Fisher ``(A, B)`` of a layer: MFF's when gradients were collected, else K-FAC's."""
     if "grads" in stats.stats:
-        res = stats.kronecker(name, device=device, **(mff_options or {}))
+        opts = dict(mff_options or {})
+        device = opts.pop("device", device)
+        res = stats.kronecker(name, device=device, **opts)
         return res["A"], res["B"], "mff"
     if "kfac" in stats.stats:
         kf = stats.kfac(name)

@@ -20,6 +20,7 @@ recomputed.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import fnmatch
@@ -27,8 +28,10 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import shutil
+import sys
 import tempfile
 import types
 import weakref
@@ -37,11 +40,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..core.checks import check_int
 from ..core.conventions import FisherkronError
+from ..core.distributed import (all_or_none, all_reduce_, broadcast_int, broadcast_object, rank_of, resolve_group,
+                                world_of)
 from ..core.kfac import KFACFactors
 from ..core.methods import METHODS
 from ..env import (atomic_directory, atomic_write, data_root, file_checksum, remove_stale_temporaries, sigterm_as_interrupt,
@@ -176,13 +182,18 @@ class CalibrationStats:
         self._need("xxt")
         return self._load(name, "xxt")
 
-    def kronecker(self, name: str, *, init: str = "kfac", device=None, **mff_options) -> dict:
+    def kronecker(self, name: str, *, init: str = "kfac", device=None, group=None, **mff_options) -> dict:
         """MFF's ``A (x) B`` of layer ``name`` (Algorithm 1), computed once and kept beside the statistics.
 
         ``init="kfac"`` starts from the layer's K-FAC factors when they were collected (else
         from MFF's default start). The result (``A``, ``B``, ``fisher_share``, ``matvecs``,
         ``converged``) is cached in ``<dir>/mff/`` under a key of the options, written
         atomically and recomputed if it cannot be read.
+
+        ``group``: data-parallel MFF (see :func:`fisherkron.mff`): every rank of the process
+        group calls this; rank ``p`` reads the gradients of its batches ``i % world == p``,
+        every rank returns the same factors, and rank 0 writes them to the same cache file
+        as one process would (the group is not part of the key).
         """
         self._need("grads")
         start = self.kfac(name) if init == "kfac" and "kfac" in self.stats else None
@@ -190,6 +201,9 @@ class CalibrationStats:
         tag = hashlib.blake2b(json.dumps([init if start is not None else "identity", opts], default=str)
                               .encode(), digest_size=8).hexdigest()
         f = self.dir / "mff" / f"{name}.{tag}.pt"
+        group = resolve_group(group)
+        if group is not None:
+            return self._kronecker_on_ranks(name, f, start, device, group, mff_options)
         if f.exists():
             try:
                 return torch.load(f, weights_only=True)
@@ -204,6 +218,34 @@ class CalibrationStats:
             atomic_write(f, lambda t: torch.save(out, t))
         except OSError as exc:  # a read-only cache still works, only slower
             log.warning("could not keep the MFF factors in %s (%s)", f.parent, exc)
+        return out
+
+    def _kronecker_on_ranks(self, name: str, f: Path, start, device, group, mff_options: dict) -> dict:
+        """:meth:`kronecker` over a process group: rank 0 decides whether ``f`` is reused, all ranks run MFF."""
+        from ..core.factorization import mff
+
+        rank, world = rank_of(group), world_of(group)
+        cached = None
+        if rank == 0 and f.exists():
+            try:
+                cached = torch.load(f, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - any unreadable cache file is recomputed
+                log.warning("cached MFF factors %s are unreadable (%s); recomputing", f, exc)
+        if broadcast_int(cached is not None, group):
+            with all_or_none(group, f"reading the MFF factors of {name}"):
+                out = cached if rank == 0 else torch.load(f, weights_only=True)
+            return out
+        local = None
+        with all_or_none(group, f"reading the gradients of {name}"):
+            local = np.load(self.grads_path(name), mmap_mode="r")[rank::world]  # (k_p, n, m): this rank's batches
+        res = mff(local, init=start, device=device, name=name, group=group, **mff_options)
+        out = {"A": res.A.cpu(), "B": res.B.cpu(), "fisher_share": float(res.fisher_share),
+               "matvecs": int(res.matvecs), "converged": bool(res.converged)}
+        if rank == 0:
+            try:
+                atomic_write(f, lambda t: torch.save(out, t))
+            except OSError as exc:  # a read-only cache still works, only slower
+                log.warning("could not keep the MFF factors in %s (%s)", f.parent, exc)
         return out
 
     def kfac(self, name: str) -> KFACFactors:
@@ -370,7 +412,7 @@ def _default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None = None, seed: int = 0,
                         stats=None, methods=None, loss_fn=None, loss_name: str | None = None,
                         cache: bool = True, cache_dir=None,
-                        verify_cache: bool = True, progress: bool = False) -> CalibrationStats:
+                        verify_cache: bool = True, progress: bool = False, group=None) -> CalibrationStats:
     r"""Per-batch gradients ``G_i`` and baseline statistics of the selected linear layers.
 
     Eq. (8): ``I_F = (1/k) sum_i vec(G_i) vec(G_i)^T`` with ``G_i = dL_i/dW`` the
@@ -394,6 +436,14 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         cache: reuse/write ``<cache_dir>/<key>``; ``cache_dir`` defaults to ``data/cache/calibration``.
         verify_cache: check file checksums before reusing a cache entry.
         progress: show a tqdm bar over batches.
+        group: a ``torch.distributed`` process group (or ``"auto"``: the default group when
+            one is initialised with more than one process; default ``None``: this process
+            alone). Every rank passes the same model and batches; batch ``i`` is run on rank
+            ``i % world``, which writes its gradients into rows ``i`` of the shared
+            ``<layer>.grads.npy``; the other statistics are summed over the ranks
+            (``all_reduce``), so every rank returns the global ones. The cache folder must
+            be on a filesystem every rank sees; the entry is the same as one process
+            writes (up to the round-off of the sums) and is reused by any world size.
 
     Returns:
         :class:`CalibrationStats` backed by files (with ``cache=False`` a private folder
@@ -441,12 +491,17 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     key = hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=16).hexdigest()
 
     root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "calibration"
+    final = root / key
+    group = resolve_group(group)
+    if group is not None:
+        return _collect_on_ranks(model, batches, names, modules, shapes, stats, loss_fn or _default_loss, progress,
+                                 key=key, config=config, root=root, final=final, cache=cache,
+                                 verify_cache=verify_cache, group=group)
     if root.is_dir():
         count, freed = remove_stale_temporaries(root)
         if count:
             log.warning("removed %d temporary folder(s) left by interrupted calibration runs in %s "
                         "(%.1f MB reclaimed)", count, root, freed / 2**20)
-    final = root / key
     if cache:
         man = _read_cache(final, key, verify_cache)
         if man is not None:
@@ -460,12 +515,7 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         """Collect into ``folder`` and write its manifest; returns the per-layer info."""
         tokens = _collect(model, batches, names, modules, shapes, stats, loss_fn or _default_loss,
                           folder, progress)
-        files = {f.name: {"size": f.stat().st_size, "hash": file_checksum(f)} for f in sorted(folder.glob("*.npy"))}
-        info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n],
-                    "weights": layer_fingerprint(modules[n])} for n in names}
-        man = {"key": key, "config": config, "k": k, "layers": info, "files": files}
-        (folder / "manifest.json").write_text(json.dumps(man, indent=1))
-        return info
+        return _write_manifest(folder, key, config, k, names, shapes, modules, tokens, world_size=1)
 
     if not cache:  # a private folder, removed when the returned object is garbage-collected
         tmp = Path(tempfile.mkdtemp(prefix=temporary_name(f"private-{key[:8]}"), dir=root))
@@ -483,19 +533,51 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     return CalibrationStats(final, layer_info, k, key, config, stats, from_cache=False)
 
 
+def _write_manifest(folder: Path, key: str, config: dict, k: int, names, shapes, modules, tokens,
+                    world_size: int) -> dict:
+    """Checksum every ``.npy`` of ``folder`` and write ``manifest.json``; returns the per-layer info."""
+    files = {f.name: {"size": f.stat().st_size, "hash": file_checksum(f)} for f in sorted(folder.glob("*.npy"))}
+    info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n],
+                "weights": layer_fingerprint(modules[n])} for n in names}
+    man = {"key": key, "config": config, "k": k, "layers": info, "files": files, "world_size": world_size}
+    (folder / "manifest.json").write_text(json.dumps(man, indent=1))
+    return info
+
+
 def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, progress: bool):
     """One forward + backward per batch; returns the token count per layer."""
     k = len(batches)
-    want_act = any(s in stats for s in ("abs_mean", "xxt", "kfac"))
-    acc = {n: {} for n in names}
-    tokens = {n: 0 for n in names}
-    mask_holder: dict[str, torch.Tensor | None] = {"mask": None}
-    shared_gram: dict = {}
     grads_mm = {}
     if "grads" in stats:
         for n in names:
             grads_mm[n] = np.lib.format.open_memmap(out / f"{n}.grads.npy", mode="w+", dtype=np.float32,
                                                     shape=(k, *shapes[n]))  # (k, n, m)
+
+    def store(n: str, i: int, G: torch.Tensor) -> None:
+        grads_mm[n][i] = G.detach().float().cpu().numpy()  # (n, m) into row i
+
+    try:
+        acc, tokens = _accumulate(model, batches, range(k), names, modules, stats, loss_fn, store, progress)
+    finally:
+        for mm in grads_mm.values():
+            mm.flush()
+        grads_mm.clear()
+    _save_statistics(acc, tokens, k, names, stats, out)
+    return tokens
+
+
+def _accumulate(model, batches, indices, names, modules, stats, loss_fn, store, progress: bool):
+    """One forward + backward for each batch ``i`` in ``indices``; per-layer sums and token counts.
+
+    ``store(name, i, G_i)`` keeps each gradient. Returns ``(acc, tokens)``: per layer the sums
+    ``g2 = sum_i G_i o G_i``, ``abs_sum = sum_t |x_t|``, ``xxt = sum_t x_t x_t^T`` and
+    ``ddt = sum_t delta_t delta_t^T`` over these batches (absent when no batch was run).
+    """
+    want_act = any(s in stats for s in ("abs_mean", "xxt", "kfac"))
+    acc = {n: {} for n in names}
+    tokens = {n: 0 for n in names}
+    mask_holder: dict[str, torch.Tensor | None] = {"mask": None}
+    shared_gram: dict = {}
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         mask = mask_holder["mask"]
@@ -537,7 +619,8 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
             modules[n].weight.requires_grad_(True)
         model.eval()
         device = next(model.parameters()).device
-        for i, batch in enumerate(tqdm(batches, desc="calibration", disable=not progress)):
+        for i in tqdm(indices, desc="calibration", disable=not progress):
+            batch = batches[i]
             if isinstance(batch, dict):
                 batch = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in batch.items()}
             mask = batch.get("attention_mask") if isinstance(batch, dict) else None
@@ -557,7 +640,7 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
                     raise FisherkronError(f"gradient of layer {n} in batch {i} has NaN/inf entries "
                                           f"(nothing was cached)")
                 if "grads" in stats:
-                    grads_mm[n][i] = G.detach().float().cpu().numpy()
+                    store(n, i, G)
                 if "diag_fisher" in stats:
                     Gf = G.detach().float()
                     if "g2" not in acc[n]:
@@ -570,19 +653,158 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
         for p, f in flags.items():
             p.requires_grad_(f)
         model.train(was_training)
-        for mm in grads_mm.values():
-            mm.flush()
-        grads_mm.clear()
+    return acc, tokens
+
+
+def _save_statistics(acc, tokens, k: int, names, stats, out: Path) -> None:
+    """Eq. (8)'s diagonal ``(1/k) sum_i G_i o G_i``, ``mean |x|``, ``X X^T`` and ``sum delta delta^T`` to ``out``."""
     for n in names:
         a = acc[n]
         if "diag_fisher" in stats:
-            np.save(out / f"{n}.diag_fisher.npy", (a["g2"].double() / k).numpy())
+            np.save(out / f"{n}.diag_fisher.npy", (a["g2"].double() / k).cpu().numpy())
         if "abs_mean" in stats:
-            np.save(out / f"{n}.abs_mean.npy", (a["abs_sum"] / max(tokens[n], 1)).float().numpy())
+            np.save(out / f"{n}.abs_mean.npy", (a["abs_sum"] / max(tokens[n], 1)).float().cpu().numpy())
         if "xxt" in stats or "kfac" in stats:
-            np.save(out / f"{n}.xxt.npy", a["xxt"].numpy())
+            np.save(out / f"{n}.xxt.npy", a["xxt"].cpu().numpy())
         if "kfac" in stats:
             if "ddt" not in a:
                 raise FisherkronError(f"layer {n}: no output gradients were seen for K-FAC")
-            np.save(out / f"{n}.ddt.npy", a["ddt"].numpy())
-    return tokens
+            np.save(out / f"{n}.ddt.npy", a["ddt"].cpu().numpy())
+
+
+# ----------------------------------------------------------------------------- over a process group
+
+class _RowWriter:
+    """Writes gradient ``i`` into row ``i`` of an existing ``(k, n, m)`` float32 ``.npy`` file.
+
+    Each rank writes only the bytes of its own rows (``os.pwrite``), so ranks never touch
+    each other's data, also on a shared filesystem where pages are not coherent.
+    """
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(fh)
+            self.offset = fh.tell()
+        self.row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+        self.fd = os.open(path, os.O_WRONLY)
+
+    def write(self, i: int, G: torch.Tensor) -> None:
+        data = memoryview(np.ascontiguousarray(G.detach().float().cpu().numpy())).cast("B")  # (n, m) float32
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], self.offset + i * self.row_bytes + done)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _visible(path: Path, rank: int) -> None:
+    if not path.exists():
+        raise FisherkronError(f"rank {rank} does not see {path}; put the calibration cache (--cache-dir) on a "
+                              f"filesystem every rank sees")
+
+
+def _reduce_statistics(acc, tokens, names, shapes, stats, group):
+    """Sum the per-rank sums of :func:`_accumulate` over the ranks (``all_reduce``; zeros where a rank ran none)."""
+    for n in names:
+        a, (rows, cols) = acc[n], shapes[n]
+        counts = torch.tensor([tokens[n], "ddt" in a], dtype=torch.float64)  # exact below 2^53
+        all_reduce_(counts, group)
+        tokens[n] = int(counts[0])
+        if "diag_fisher" in stats:
+            a["g2"] = all_reduce_(a.get("g2", torch.zeros(rows, cols)), group)  # (n, m) float32
+        if "abs_mean" in stats:
+            a["abs_sum"] = all_reduce_(a.get("abs_sum", torch.zeros(cols, dtype=torch.float64)), group)  # (m,)
+        if "xxt" in stats or "kfac" in stats:
+            a["xxt"] = all_reduce_(a.get("xxt", torch.zeros(cols, cols, dtype=torch.float64)), group)  # (m, m)
+        if "kfac" in stats:
+            a["ddt"] = all_reduce_(a.get("ddt", torch.zeros(rows, rows, dtype=torch.float64)), group)  # (n, n)
+            if counts[1] == 0:  # no rank saw an output gradient
+                del a["ddt"]
+    return acc, tokens
+
+
+def _collect_on_ranks(model, batches, names, modules, shapes, stats, loss_fn, progress, *, key, config, root, final,
+                      cache, verify_cache, group) -> CalibrationStats:
+    """:func:`collect_calibration` over a process group: batch ``i`` on rank ``i % world``.
+
+    Rank 0 reads the cache, creates the (temporary) folder and the ``(k, n, m)`` gradient
+    files; every rank writes the rows of its batches; the sums behind the other statistics
+    are all-reduced and rank 0 writes them, the manifest (with the world size) and moves
+    the folder into the cache in one rename. Each step ends in a collective that tells every
+    rank whether any rank failed, so a failure anywhere stops all ranks with the same
+    error, and rank 0 removes the temporary folder: no half-written entry is left.
+    """
+    rank, world = rank_of(group), world_of(group)
+    k = len(batches)
+    keys = [None] * world
+    dist.all_gather_object(keys, key, group=group)
+    other = next((r for r, kk in enumerate(keys) if kk != keys[0]), None)
+    if other is not None:
+        raise FisherkronError(f"rank {other} has another calibration configuration than rank 0 (model weights, "
+                              f"batches, layers, k, seed, statistics or loss); give every rank the same")
+    man = None
+    with sigterm_as_interrupt():
+        with all_or_none(group, "reading the calibration cache"):
+            if rank == 0:
+                if root.is_dir():
+                    count, freed = remove_stale_temporaries(root)
+                    if count:
+                        log.warning("removed %d temporary folder(s) left by interrupted calibration runs in %s "
+                                    "(%.1f MB reclaimed)", count, root, freed / 2**20)
+                if cache:
+                    man = _read_cache(final, key, verify_cache)
+                    if man is None and final.exists():
+                        shutil.rmtree(final)
+                root.mkdir(parents=True, exist_ok=True)
+        man = broadcast_object(man, group)
+        if man is not None:
+            with all_or_none(group, "opening the cached calibration"):
+                _visible(final / "manifest.json", rank)
+            return CalibrationStats(final, man["layers"], man["k"], key, man["config"],
+                                    tuple(man["config"]["stats"]), from_cache=True)
+        entry = contextlib.ExitStack()  # rank 0: the atomic folder of the cache entry
+        tmp = None
+        try:
+            with all_or_none(group, "creating the calibration folder"):
+                if rank == 0:
+                    if cache:
+                        tmp = entry.enter_context(atomic_directory(final))
+                    else:
+                        tmp = Path(tempfile.mkdtemp(prefix=temporary_name(f"private-{key[:8]}"), dir=root))
+                    if "grads" in stats:
+                        for n in names:  # every rank fills its rows of these
+                            np.lib.format.open_memmap(tmp / f"{n}.grads.npy", mode="w+", dtype=np.float32,
+                                                      shape=(k, *shapes[n])).flush()  # (k, n, m)
+            tmp = broadcast_object(tmp, group)
+            with all_or_none(group, "calibration"):
+                _visible(tmp, rank)
+                writers = {n: _RowWriter(tmp / f"{n}.grads.npy") for n in names} if "grads" in stats else {}
+                try:
+                    acc, tokens = _accumulate(model, batches, range(rank, k, world), names, modules, stats, loss_fn,
+                                              lambda n, i, G: writers[n].write(i, G), progress and rank == 0)
+                finally:
+                    for w in writers.values():
+                        w.close()
+            acc, tokens = _reduce_statistics(acc, tokens, names, shapes, stats, group)
+            info = None
+            with all_or_none(group, "writing the calibration statistics"):
+                if rank == 0:
+                    _save_statistics(acc, tokens, k, names, stats, tmp)
+                    info = _write_manifest(tmp, key, config, k, names, shapes, modules, tokens, world_size=world)
+                    entry.close()  # the temporary folder becomes the cache entry (one rename)
+            info = broadcast_object(info, group)
+        except BaseException:
+            if rank == 0:
+                with contextlib.suppress(BaseException):
+                    entry.__exit__(*sys.exc_info())  # removes the temporary folder
+                if not cache and tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    folder = final if cache else tmp
+    out = CalibrationStats(folder, info, k, key, config, stats, from_cache=False)
+    if not cache and rank == 0:  # the private folder belongs to rank 0's object
+        weakref.finalize(out, shutil.rmtree, str(folder), True)
+    return out
