@@ -154,3 +154,51 @@ def test_symmetric_products_are_exactly_symmetric(block, monkeypatch):
     op = fk.rearranged_fisher(G, dtype=torch.float32)
     for out in (op.apply(Z + Z.T, True), op.apply_adjoint(Y + Y.T, True), op.apply(None), op.apply_adjoint(None)):
         assert torch.equal(out, out.T)
+
+
+@pytest.mark.parametrize("n,m,T", [(7, 5, 9), (5, 7, 4), (6, 1, 3)])
+def test_token_fisher_equals_dense_rearrangement_of_its_rank_one_gradients(n, m, T):
+    """R(F) of the per-token Fisher, matrix-free from X and D, against R(F) built entry by entry
+    from the dense Fisher of the T rank-one gradients delta_t x_t^T."""
+    from fisherkron.core.operators import TokenFisher
+
+    g = torch.Generator().manual_seed(n * 31 + m * 7 + T)
+    X = torch.randn(T, m, generator=g, dtype=torch.float64)
+    D = torch.randn(T, n, generator=g, dtype=torch.float64)
+    op = TokenFisher(X, D, dtype=torch.float64)
+    G = torch.einsum("ti,tj->tij", D, X)  # (T, n, m): G_t = delta_t x_t^T
+    F = dense_fisher(G)
+    R_dense = dense_rearrangement(F, n, m)
+    torch.testing.assert_close(op.materialize(), R_dense, **FLOAT64)
+    Z = torch.randn(n, n, generator=g, dtype=torch.float64)
+    Y = torch.randn(m, m, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(fk.vec(op.apply(Z)), R_dense @ fk.vec(Z), **FLOAT64)
+    torch.testing.assert_close(fk.vec(op.apply_adjoint(Y)), R_dense.T @ fk.vec(Y), **FLOAT64)
+    torch.testing.assert_close(fk.vec(op.apply(None)), R_dense @ fk.vec(torch.eye(n, dtype=torch.float64)), **FLOAT64)
+    torch.testing.assert_close(fk.vec(op.apply_adjoint(None)), R_dense.T @ fk.vec(torch.eye(m, dtype=torch.float64)),
+                               **FLOAT64)
+    assert op.fisher_norm_sq(block=2) == pytest.approx(float((F ** 2).sum()), rel=F64_REL)
+    # the same per-token gradients through the gradient stack give the same R(F)
+    torch.testing.assert_close(fk.rearranged_fisher(G).materialize(), R_dense, **FLOAT64)
+
+
+def test_mff_on_token_fisher_equals_mff_on_the_token_gradients():
+    from fisherkron.core.operators import TokenFisher
+    from fisherkron.testing import MFF_F64_REL, rel_error
+
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(40, 6, generator=g, dtype=torch.float64)
+    D = torch.randn(40, 8, generator=g, dtype=torch.float64) * torch.linspace(0.2, 2.0, 8, dtype=torch.float64)
+    got = fk.mff(TokenFisher(X, D, dtype=torch.float64), dtype=torch.float64)
+    ref = fk.mff(torch.einsum("ti,tj->tij", D, X), dtype=torch.float64)
+    assert rel_error(torch.kron(got.A, got.B), torch.kron(ref.A, ref.B)) <= MFF_F64_REL
+    assert got.fisher_share == pytest.approx(ref.fisher_share, rel=MFF_F64_REL)
+
+
+def test_token_fisher_bad_input_is_one_line():
+    from fisherkron.core.operators import TokenFisher
+
+    with pytest.raises(fk.FisherkronError, match="X has 3 tokens and D 4"):
+        TokenFisher(torch.randn(3, 2), torch.randn(4, 5))
+    with pytest.raises(fk.FisherkronError, match="NaN/inf"):
+        TokenFisher(torch.full((3, 2), float("nan")), torch.randn(3, 5))

@@ -42,7 +42,7 @@ from .checks import check_int, check_positive, check_square
 from .conventions import FisherkronError
 from .distributed import (agree, broadcast_int, broadcast_object, broadcast_tensor, fisher_norm_sq, resolve_group,
                           world_of)
-from .operators import GradientStack, RearrangedFisher, _single_thread
+from .operators import GradientStack, RearrangedFisher, TokenFisher, _single_thread
 
 __all__ = ["MFFResult", "mff", "kronecker_terms"]
 
@@ -346,7 +346,9 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
     Args:
         grads: ``k`` per-batch gradients of an ``n x m`` layer: a ``(k, n, m)``
             tensor, a ``.npy`` path, a :class:`GradientStack`, or an iterable of
-            ``(n, m)`` tensors (streamed; spilled to disk past ``memory_budget``).
+            ``(n, m)`` tensors (streamed; spilled to disk past ``memory_budget``); or a
+            :class:`~fisherkron.core.operators.TokenFisher` (per-token gradients
+            ``delta_t x_t^T``, matrix-free from the layer's inputs and output gradients).
         init: warm start: K-FAC factors ``(A, B)`` (see :func:`kfac_factors`),
             a previous :class:`MFFResult`, or an ``n x n`` matrix ``B``.
             Default (or ``"identity"``): the identity on the cheaper side,
@@ -389,7 +391,11 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
         check_positive(tol, "tol", below=1.0)
     t0 = time.perf_counter()
     group = resolve_group(group)
-    if group is None:
+    if isinstance(grads, TokenFisher):  # per-token gradients, matrix-free from X and D
+        if group is not None:
+            raise FisherkronError(f"{name}: MFF over a process group takes per-batch gradients, not a TokenFisher")
+        op = stack = grads if grads.dtype == dtype else TokenFisher(grads.X, grads.D, dtype, grads.device, name)
+    elif group is None:
         stack = GradientStack.of(grads, dtype, device=device, memory_budget=memory_budget, name=name)
         op = RearrangedFisher(stack)
     else:

@@ -43,7 +43,7 @@ import torch
 
 from .conventions import FisherkronError, unvec, vec
 
-__all__ = ["GradientStack", "RearrangedFisher", "rearranged_fisher", "matvec_flops", "default_memory_budget"]
+__all__ = ["GradientStack", "RearrangedFisher", "TokenFisher", "rearranged_fisher", "matvec_flops", "default_memory_budget"]
 
 
 #: Vectors with at least this many entries are updated with all threads (see :func:`_single_thread`).
@@ -578,3 +578,118 @@ def rearranged_fisher(grads, dtype: torch.dtype = torch.float64, device=None,
         True
     """
     return RearrangedFisher(GradientStack.of(grads, dtype, device=device, memory_budget=memory_budget))
+
+
+class TokenFisher:
+    r"""``R(F)`` of the per-token empirical Fisher, matrix-free from a layer's inputs and output gradients.
+
+    Each token's gradient ``G_t = delta_t x_t^T`` (``n x m``) is rank one, so the Fisher of the
+    ``T`` token gradients, ``F = (1/T) sum_t vec(G_t) vec(G_t)^T``, rearranges to
+
+    .. math::
+        R(F) = \frac1T \sum_t \mathrm{vec}(x_t x_t^\top)\,\mathrm{vec}(\delta_t \delta_t^\top)^\top,
+
+    and its products (Eq. (12) and (23) with ``G_t^T Z G_t = (delta_t^T Z delta_t) x_t x_t^T``) are
+
+    * ``apply(Z) = (1/T) X^T diag(w) X`` with ``w_t = delta_t^T Z delta_t`` (``m x m``),
+    * ``apply_adjoint(Y) = (1/T) D^T diag(v) D`` with ``v_t = x_t^T Y x_t`` (``n x n``),
+
+    from ``X`` (``T x m``, the inputs ``x_t``) and ``D`` (``T x n``, the output gradients
+    ``delta_t``): about ``2 T (n^2 + m^2)`` flops per product and no gradient matrix stored.
+    K-FAC's ``E[x x^T] (x) E[delta delta^T]`` is the product of the two means; MFF on this operator
+    is the best Kronecker fit of the mean of the products. :func:`fisherkron.mff` accepts it in
+    place of gradients.
+
+    Args:
+        X: ``(T, m)`` layer inputs, one row per token.
+        D: ``(T, n)`` gradients of the loss with respect to the layer outputs, same tokens.
+        dtype: compute dtype of the GEMMs (float32 default, float64 for references).
+        device: where they run (default: that of ``X``).
+        name: used in error messages.
+    """
+
+    def __init__(self, X, D, dtype: torch.dtype = torch.float32, device=None, name: str = "layer"):
+        from .checks import as_tensor, check_finite, check_matrix
+
+        X, D = as_tensor(X, f"{name}: X"), as_tensor(D, f"{name}: D")
+        check_matrix(X, f"{name}: X (T x m)")
+        check_matrix(D, f"{name}: D (T x n)")
+        if X.shape[0] != D.shape[0]:
+            raise FisherkronError(f"{name}: X has {X.shape[0]} tokens and D {D.shape[0]}; they must be the same tokens")
+        if X.shape[0] == 0:
+            raise FisherkronError(f"{name}: no tokens were given")
+        check_finite(X, f"{name}: X")
+        check_finite(D, f"{name}: D")
+        self.name = name
+        self.device = torch.device(device) if device is not None else X.device
+        self.dtype = dtype
+        self.X = X.to(self.device, dtype)  # (T, m)
+        self.D = D.to(self.device, dtype)  # (T, n)
+        self.k, self.m = (int(s) for s in self.X.shape)
+        self.n = int(self.D.shape[1])
+        self.k_local = self.k
+        self.comm_bytes, self.comm_seconds = 0, 0.0
+        self.num_matvecs = 0
+        self.product_seconds = 0.0
+        self.executed_flops = self.nominal_flops = 0
+
+    def _weighted_gram(self, M: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``(1/T) M^T diag(w) M`` (float64) for ``M`` of shape ``(T, d)``."""
+        return ((M.T * w[None, :]) @ M).double().div_(self.k)
+
+    def _count(self, t0: float, flops: int) -> None:
+        self.num_matvecs += 1
+        self.executed_flops += flops
+        self.nominal_flops += flops
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.product_seconds += time.perf_counter() - t0
+
+    def apply(self, Z: torch.Tensor | None, symmetric: bool = False) -> torch.Tensor:
+        """``(1/T) sum_t (delta_t^T Z delta_t) x_t x_t^T`` (``m x m``); ``Z=None`` means ``I_n``."""
+        t0 = time.perf_counter()
+        T, n, m = self.k, self.n, self.m
+        if Z is None:
+            w = (self.D * self.D).sum(1)  # (T,): |delta_t|^2
+            flops = 2 * T * n
+        else:
+            w = ((self.D @ Z.to(self.device, self.dtype)) * self.D).sum(1)  # (T,): delta_t^T Z delta_t
+            flops = 2 * T * n * n + 2 * T * n
+        out = self._weighted_gram(self.X, w)
+        self._count(t0, flops + 2 * T * m * m)
+        return out
+
+    def apply_adjoint(self, Y: torch.Tensor | None, symmetric: bool = False) -> torch.Tensor:
+        """``(1/T) sum_t (x_t^T Y x_t) delta_t delta_t^T`` (``n x n``); ``Y=None`` means ``I_m``."""
+        t0 = time.perf_counter()
+        T, n, m = self.k, self.n, self.m
+        if Y is None:
+            v = (self.X * self.X).sum(1)  # (T,): |x_t|^2
+            flops = 2 * T * m
+        else:
+            v = ((self.X @ Y.to(self.device, self.dtype)) * self.X).sum(1)  # (T,): x_t^T Y x_t
+            flops = 2 * T * m * m + 2 * T * m
+        out = self._weighted_gram(self.D, v)
+        self._count(t0, flops + 2 * T * n * n)
+        return out
+
+    def fisher_norm_sq(self, block: int = 2048) -> float:
+        """``||F||_F^2 = (1/T^2) sum_{t,s} (x_t . x_s)^2 (delta_t . delta_s)^2``, in blocks of ``block`` tokens."""
+        total = 0.0
+        X, D = self.X.double(), self.D.double()
+        for a in range(0, self.k, block):
+            gx = X[a:a + block] @ X.T  # (b, T)
+            gd = D[a:a + block] @ D.T
+            total += float(((gx * gd) ** 2).sum())
+        return total / self.k ** 2
+
+    def gradients(self) -> torch.Tensor:
+        """The ``T`` token gradients ``G_t = delta_t x_t^T`` as a ``(T, n, m)`` tensor (small tests only)."""
+        return self.D[:, :, None] * self.X[:, None, :]
+
+    def materialize(self) -> torch.Tensor:
+        """Dense ``R(F)`` (float64, ``m^2 x n^2``); for small tests only."""
+        X, D = self.X.double(), self.D.double()
+        xx = torch.einsum("ti,tj->tji", X, X).reshape(self.k, -1)  # (T, m^2): vec(x x^T), column-major
+        dd = torch.einsum("ti,tj->tji", D, D).reshape(self.k, -1)  # (T, n^2)
+        return xx.T @ dd / self.k
