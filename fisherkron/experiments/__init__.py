@@ -7,6 +7,8 @@ module                      what it holds
 ``synthetic_gradients``     gradients with a linear layer's structure (runtime study, Sec. 4.2)
 ``authors``                 the authors' ``svds`` approach to MFF, restated as a baseline
 ``benchmark``               timing MFF against it on the same gradients (Sec. 4.2)
+``spectrum``                the Kronecker spectrum of every linear layer (Fig. singular_values)
+``throughput``              FLOPs and measured speed of compressed decoders (App. F)
 ``figures``                 figures and tables written atomically with provenance records
 ==========================  ================================================================
 

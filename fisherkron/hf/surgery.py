@@ -20,11 +20,12 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core.checks import check_rank
+from ..core.checks import check_int, check_positive, check_rank
 from ..core.conventions import FisherkronError
 from ..core.lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
 from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
+from . import speed
 from .allocation import Decompositions
 from .calibration import CalibrationStats, select_layers
 
@@ -49,6 +50,7 @@ class LayerReport:
     mff_matvecs: int | None = None
     mff_converged: bool | None = None
     seconds: float = 0.0
+    speedup: float | None = None  # measured dense / factorised time (with min_speedup=)
 
 
 @dataclass
@@ -154,6 +156,7 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
              asvd_alpha: float = 0.5,
              mff_options: dict | None = None, skip_unprofitable: bool = True,
              allocation=None, allocation_options: dict | None = None, decompositions=None,
+             min_speedup: float | None = None, speed_tokens: int = 1024,
              progress: bool = False) -> CompressionReport:
     r"""Replace the selected ``nn.Linear`` layers of ``model`` in place by ``LowRankLinear``.
 
@@ -185,6 +188,14 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         decompositions: a :class:`~fisherkron.hf.allocation.Decompositions` that keeps each
             layer's full weighted SVD, so that compressing copies of one model at several ratios
             or allocations runs one SVD per layer (default: a fresh one, used by this call only).
+        min_speedup: keep a layer dense unless its factorisation runs at least this many times
+            as fast as the dense layer (``1.0``: keep every layer the factorisation would slow
+            down), measured on ``speed_tokens`` rows by :func:`fisherkron.hf.speed.layer_speedup`
+            on the weight's device and dtype (cached per shape, rank and token count). The ranks
+            are planned first, so each layer kept dense lowers the achieved ratio below ``ratio``
+            (a warning says by how much; ``report.ratio`` is what was reached); the measured
+            speedup is in each :class:`LayerReport`. Default ``None``: no measurement.
+        speed_tokens: rows of the activations in that measurement (batch x sequence length).
         progress: tqdm bar over layers.
 
     Returns:
@@ -196,6 +207,9 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             raise FisherkronError(f"method {method} needs calibration statistics: pass stats=collect_calibration(...)")
         for stat in row.needs:
             stats._need(stat)
+    if min_speedup is not None:
+        check_positive(min_speedup, "min_speedup")
+        check_int(speed_tokens, "speed_tokens", minimum=1)
     t_all = time.perf_counter()
     if decompositions is None:
         decompositions = Decompositions()
@@ -261,6 +275,14 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             lr.skipped = f"rank {r} saves nothing: r (n + m) >= n m"
             report.layer_params_after += dense
             continue
+        if min_speedup is not None:
+            lr.speedup = speed.layer_speedup(n, m, r, speed_tokens, bias=has_bias, device=W.device,
+                                             dtype=W.dtype).speedup
+            if lr.speedup < min_speedup:
+                lr.skipped = (f"kept dense: rank {r} runs at {lr.speedup:.2f}x the dense speed < min_speedup "
+                              f"{min_speedup:g} ({speed_tokens} tokens, {W.device.type})")
+                report.layer_params_after += dense
+                continue
         mff_info: dict = {}
         dec, _ = decompositions.get(lin, method, stats, name, mff_options=opts, alpha=alpha, min_alpha=min_alpha,
                                     regularization=regularization, asvd_alpha=asvd_alpha, info=mff_info)
@@ -279,6 +301,11 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         model.set_submodule(name, low)
     report.params_after = count_params(model)
     report.seconds = time.perf_counter() - t_all
+    slow = [lr for lr in report.layers.values() if lr.speedup is not None and lr.speedup < min_speedup]
+    if slow and ratio is not None and report.ratio < ratio:
+        log.warning("%d layers kept dense because factorising them would not speed them up (min_speedup=%g): "
+                    "compression ratio %.2f%% instead of the %.2f%% planned", len(slow), min_speedup,
+                    100 * report.ratio, 100 * ratio)
     expected = before - report.layer_params_before + report.layer_params_after
     if report.params_after != expected:  # shared/tied weights among the selected layers
         log.warning("model has %d params after compression, %d expected from the layer counts",
