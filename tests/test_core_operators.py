@@ -202,3 +202,34 @@ def test_token_fisher_bad_input_is_one_line():
         TokenFisher(torch.randn(3, 2), torch.randn(4, 5))
     with pytest.raises(fk.FisherkronError, match="NaN/inf"):
         TokenFisher(torch.full((3, 2), float("nan")), torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("encoding,rel", [("float32", 0.0), ("bfloat16", 2.0 ** -8), ("float16", 2.0 ** -11)])
+def test_stored_gradients_decode_within_their_rounding(encoding, rel, tmp_path):
+    """16-bit gradient files decode to float32 within one rounding of their format, tiny gradients included
+    (unscaled float16 would flush a 1e-9 gradient to zero: relative error 1)."""
+    from fisherkron.core.operators import GradientStack, StoredGradients, encode_gradient
+
+    g = torch.Generator().manual_seed(11)
+    G = torch.randn(5, 7, 6, generator=g) * torch.tensor([1.0, 1e-9, 3e4, 1e-3, 1.0])[:, None, None]
+    rows, scales = zip(*(encode_gradient(Gi, encoding) for Gi in G))
+    np.save(tmp_path / "g.npy", np.stack(rows))
+    stack = GradientStack(StoredGradients(str(tmp_path / "g.npy"), encoding, tuple(scales)), memory_budget=1)
+    assert stack.streamed
+    got = stack.stacked()
+    for Gi, Hi in zip(G, got):
+        assert float((Gi - Hi).abs().max()) <= rel * float(Gi.abs().max())
+    # MFF reads the same decoded gradients
+    res = fk.mff(StoredGradients(str(tmp_path / "g.npy"), encoding, tuple(scales)))
+    ref = fk.mff(got)
+    torch.testing.assert_close(torch.kron(res.A, res.B), torch.kron(ref.A, ref.B))
+
+
+def test_stored_gradients_refuse_a_mismatched_file(tmp_path):
+    from fisherkron.core.operators import GradientStack, StoredGradients
+
+    np.save(tmp_path / "g.npy", np.zeros((2, 3, 4), dtype=np.float32))
+    with pytest.raises(fk.FisherkronError, match="not bfloat16 gradients"):
+        GradientStack(StoredGradients(str(tmp_path / "g.npy"), "bfloat16"))
+    with pytest.raises(fk.FisherkronError, match="encoding 'int8' is unknown"):
+        StoredGradients(str(tmp_path / "g.npy"), "int8")

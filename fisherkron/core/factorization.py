@@ -394,7 +394,8 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
     if isinstance(grads, TokenFisher):  # per-token gradients, matrix-free from X and D
         if group is not None:
             raise FisherkronError(f"{name}: MFF over a process group takes per-batch gradients, not a TokenFisher")
-        op = stack = grads if grads.dtype == dtype else TokenFisher(grads.X, grads.D, dtype, grads.device, name)
+        same = grads.dtype == dtype and (device is None or torch.device(device) == grads.device)
+        op = stack = grads if same else TokenFisher(grads.X, grads.D, dtype, device or grads.device, name)
     elif group is None:
         stack = GradientStack.of(grads, dtype, device=device, memory_budget=memory_budget, name=name)
         op = RearrangedFisher(stack)

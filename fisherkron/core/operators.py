@@ -33,6 +33,7 @@ import os
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,7 +44,7 @@ import torch
 
 from .conventions import FisherkronError, unvec, vec
 
-__all__ = ["GradientStack", "RearrangedFisher", "TokenFisher", "rearranged_fisher", "matvec_flops", "default_memory_budget"]
+__all__ = ["GradientStack", "StoredGradients", "encode_gradient", "ENCODINGS", "RearrangedFisher", "TokenFisher", "rearranged_fisher", "matvec_flops", "default_memory_budget"]
 
 
 #: Vectors with at least this many entries are updated with all threads (see :func:`_single_thread`).
@@ -135,7 +136,7 @@ def default_memory_budget(device: torch.device) -> int:
         return 4 << 30
 
 
-def _npy_file(src) -> tuple[str, int, np.dtype] | None:
+def _npy_file(src, encoded: bool = False) -> tuple[str, int, np.dtype] | None:
     """``(path, data offset, dtype)`` of a C-ordered memory-mapped ``.npy`` source, else None.
 
     Only a whole memory map qualifies (its buffer is the ``mmap`` itself): a slice of one
@@ -143,9 +144,52 @@ def _npy_file(src) -> tuple[str, int, np.dtype] | None:
     where the slice starts, so slices are read through the array instead.
     """
     if isinstance(src, np.memmap) and isinstance(src.base, mmap.mmap) and getattr(src, "filename", None) \
-            and src.flags.c_contiguous and src.dtype in (np.float32, np.float64) and src.dtype.isnative:
+            and src.flags.c_contiguous and src.dtype.isnative \
+            and (src.dtype in (np.float32, np.float64) or (encoded and src.dtype in (np.float16, np.uint16))):
         return str(src.filename), int(src.offset), src.dtype
     return None
+
+
+#: encodings of stored gradients: numpy dtype on disk, and whether a per-gradient scale is kept
+ENCODINGS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+@dataclass(frozen=True)
+class StoredGradients:
+    r"""A ``(k, n, m)`` ``.npy`` file of gradients in a compact encoding, read back as float32.
+
+    * ``"float32"``: as is;
+    * ``"bfloat16"``: the upper 16 bits of each float32 (stored as ``uint16``; 8 exponent bits,
+      so no gradient underflows; relative rounding ``2^-8``);
+    * ``"float16"``: ``G_i / s_i`` with the per-gradient scale ``s_i = max |G_i|`` kept in
+      ``scales`` (float16's 5 exponent bits would flush small gradients to zero; scaled, the
+      relative rounding is ``2^-12``).
+
+    :class:`GradientStack` decodes them gradient by gradient while it reads, so a stack in a
+    16-bit encoding takes half the disk and the same work memory.
+    """
+
+    path: str
+    encoding: str = "float32"
+    scales: tuple | None = None
+
+    def __post_init__(self):
+        if self.encoding not in ENCODINGS:
+            raise FisherkronError(f"gradient encoding {self.encoding!r} is unknown; use one of {', '.join(ENCODINGS)}")
+
+
+def encode_gradient(G: torch.Tensor, encoding: str) -> tuple[np.ndarray, float]:
+    """``(stored array, scale)`` of one ``(n, m)`` gradient in ``encoding`` (see :class:`StoredGradients`)."""
+    G = G.detach().float().cpu()
+    if encoding == "float32":
+        return G.numpy(), 1.0
+    if encoding == "bfloat16":
+        return G.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), 1.0
+    if encoding == "float16":
+        scale = float(G.abs().max())
+        scale = scale if scale > 0 else 1.0
+        return (G / scale).to(torch.float16).numpy(), scale
+    raise FisherkronError(f"gradient encoding {encoding!r} is unknown; use one of {', '.join(ENCODINGS)}")
 
 
 class GradientStack:
@@ -178,8 +222,22 @@ class GradientStack:
         self.dtype = dtype
         self._tmpfile: str | None = None
         if isinstance(grads, GradientStack):
-            grads = grads._source if grads._source is not None else grads.stacked()
-        if isinstance(grads, (str, Path)):
+            grads = grads._stored or (grads._source if grads._source is not None else grads.stacked())
+        self._stored = grads if isinstance(grads, StoredGradients) else None
+        if self._stored is not None and self._stored.encoding == "float32":
+            grads, self._stored = self._stored.path, None
+        if self._stored is not None:
+            try:
+                grads = np.load(self._stored.path, mmap_mode="r")
+            except (OSError, ValueError, EOFError) as exc:
+                raise FisherkronError(f"{name}: {self._stored.path} is not a readable .npy array ({exc}); "
+                                      f"recollect the calibration") from None
+            if grads.dtype != ENCODINGS[self._stored.encoding] or grads.ndim != 3:
+                raise FisherkronError(f"{name}: {self._stored.path} holds {grads.dtype} {grads.shape}, not "
+                                      f"{self._stored.encoding} gradients")
+            if self._stored.encoding == "float16" and len(self._stored.scales or ()) != grads.shape[0]:
+                raise FisherkronError(f"{name}: float16 gradients need one scale per gradient")
+        elif isinstance(grads, (str, Path)):
             path = Path(grads)
             if not path.exists():
                 raise FisherkronError(f"{name}: gradient file {path} does not exist")
@@ -213,7 +271,9 @@ class GradientStack:
         self.chunk_size = max(1, min(self.k, self.memory_budget // (3 * self.bytes_per_grad)))
         self._resident: list[torch.Tensor] | None = None
         self._buf: torch.Tensor | None = None  # reused (n, kc, m) chunk buffer of the streamed path
-        self._file = _npy_file(src)
+        self._file = _npy_file(src, encoded=self._stored is not None)
+        if self._stored is not None and self._file is None:  # pragma: no cover - np.load gives a whole map
+            raise FisherkronError(f"{name}: {self._stored.path} cannot be read as a memory-mapped file")
         if self.k == 0:  # allow_empty: nothing to hold
             self._resident = []
         elif 2 * self.k * self.bytes_per_grad <= self.memory_budget:
@@ -312,6 +372,9 @@ class GradientStack:
             out = torch.empty(n, stop - start, m, dtype=self.dtype, device=self.device)
         host = np.empty((n, m), dtype=np_dtype)  # one gradient
         host_t = torch.from_numpy(host)
+        enc = self._stored.encoding if self._stored is not None else None
+        if enc == "bfloat16":
+            host_t = host_t.view(torch.bfloat16)  # the stored uint16 are bfloat16 bits
         nbytes = host.nbytes
         with open(path, "rb", buffering=0) as fh:
             fh.seek(offset + start * nbytes)
@@ -320,6 +383,8 @@ class GradientStack:
                     raise FisherkronError(f"{self.name}: gradient file {path} is truncated at batch {start + j}")
                 self._check_chunk(host_t[None], start + j)  # (1, n, m)
                 out[:, j].copy_(host_t)  # (n, m) into the (n, kc, m) layout
+                if enc == "float16":
+                    out[:, j].mul_(self._stored.scales[start + j])
         return out
 
     def chunks(self, reuse: bool = True) -> Iterator[torch.Tensor]:

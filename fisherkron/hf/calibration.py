@@ -54,12 +54,15 @@ from ..env import (atomic_directory, atomic_write, data_root, file_checksum, rem
                    temporary_name)
 from .registry import DEFAULT_LAYERS
 
-__all__ = ["select_layers", "collect_calibration", "CalibrationStats", "CODE_VERSION", "METHOD_STATS"]
+__all__ = ["select_layers", "collect_calibration", "CalibrationStats", "CODE_VERSION", "METHOD_STATS", "GRANULARITIES",
+           "split_sequences"]
 
 log = logging.getLogger(__name__)
 
 CODE_VERSION = "calibration-1"  # bump when the meaning of a cached file changes
 STATS = ("grads", "diag_fisher", "abs_mean", "xxt", "kfac")
+#: what one gradient of Eq. (8) is: a batch's (the paper's), a sequence's, or a token's (rank one)
+GRANULARITIES = ("batch", "sequence", "token")
 # what each compression method reads; K-FAC (the MFF warm start) and X X^T cost
 # about as much as the forward + backward pass itself, so collect only what is used
 METHOD_STATS = {**{name: m.needs for name, m in METHODS.items()}, "kfac": ("kfac",)}
@@ -144,13 +147,37 @@ class CalibrationStats:
                                   f"to collect_calibration")
 
     def grads_path(self, name: str) -> Path:
-        """``.npy`` file of the ``(k, n, m)`` float32 per-batch gradients ``G_i`` (for :func:`fisherkron.mff`)."""
+        """``.npy`` file of the ``(k, n, m)`` per-batch gradients ``G_i`` (float32, or the ``grad_dtype``
+        encoding: read it through :meth:`gradients`; absent for ``granularity="token"``)."""
         self._need("grads")
         return self._file(name, "grads")
 
+    @property
+    def grad_dtype(self) -> str:
+        return self.config.get("grad_dtype", "float32")
+
+    @property
+    def granularity(self) -> str:
+        return self.config.get("granularity", "batch")
+
     def grads(self, name: str) -> np.ndarray:
-        """Memory-mapped ``(k, n, m)`` gradients ``G_i``."""
+        """Memory-mapped ``(k, n, m)`` float32 gradients ``G_i`` (see :meth:`gradients` for other encodings)."""
+        if self.grad_dtype != "float32" or self.granularity == "token":
+            raise FisherkronError(f"these gradients are stored as {self.grad_dtype} ({self.granularity}); "
+                                  f"read them with stats.gradients(name)")
         return np.load(self.grads_path(name), mmap_mode="r")
+
+    def gradients(self, name: str):
+        """What :func:`fisherkron.mff` reads for layer ``name``: the stored gradients
+        (:class:`~fisherkron.core.operators.StoredGradients`), or for ``granularity="token"`` the
+        :class:`~fisherkron.core.operators.TokenFisher` of its inputs and output gradients."""
+        from ..core.operators import StoredGradients, TokenFisher
+
+        self._need("grads")
+        if self.granularity == "token":
+            return TokenFisher(self._load(name, "X"), self._load(name, "D"), name=name)
+        scales = tuple(float(x) for x in self._load(name, "grad_scales")) if self.grad_dtype == "float16" else None
+        return StoredGradients(str(self.grads_path(name)), self.grad_dtype, scales)
 
     def _load(self, name: str, stat: str) -> torch.Tensor:
         f = self._file(name, stat)
@@ -211,7 +238,7 @@ class CalibrationStats:
                 log.warning("cached MFF factors %s are unreadable (%s); recomputing", f, exc)
         from ..core.factorization import mff
 
-        res = mff(self.grads_path(name), init=start, device=device, name=name, **mff_options)
+        res = mff(self.gradients(name), init=start, device=device, name=name, **mff_options)
         out = {"A": res.A.cpu(), "B": res.B.cpu(), "fisher_share": float(res.fisher_share),
                "matvecs": int(res.matvecs), "converged": bool(res.converged)}
         try:
@@ -236,6 +263,9 @@ class CalibrationStats:
                 out = cached if rank == 0 else torch.load(f, weights_only=True)
             return out
         local = None
+        if self.grad_dtype != "float32" or self.granularity == "token":
+            raise FisherkronError(f"data-parallel MFF reads float32 per-batch gradients; these are "
+                                  f"{self.grad_dtype} ({self.granularity}): run MFF in one process")
         with all_or_none(group, f"reading the gradients of {name}"):
             local = np.load(self.grads_path(name), mmap_mode="r")[rank::world]  # (k_p, n, m): this rank's batches
         res = mff(local, init=start, device=device, name=name, group=group, **mff_options)
@@ -402,6 +432,21 @@ def _read_cache(path: Path, key: str, verify: bool) -> dict | None:
 
 # ----------------------------------------------------------------------------- collection
 
+def split_sequences(batches) -> list[dict]:
+    """Each batch of ``B`` sequences as ``B`` batches of one (tensors split along dim 0; other values shared)."""
+    out = []
+    for b in batches:
+        if not isinstance(b, dict):
+            raise FisherkronError("granularity='sequence' needs batches that are dicts of tensors")
+        sizes = {v.shape[0] for v in b.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        if len(sizes) != 1:
+            raise FisherkronError(f"cannot split a batch into sequences: its tensors have first dimensions {sorted(sizes)}")
+        B = sizes.pop()
+        out += [{key: v[j:j + 1] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for key, v in b.items()}
+                for j in range(B)]
+    return out
+
+
 def _default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     out = model(**batch)
     if getattr(out, "loss", None) is None:
@@ -411,7 +456,8 @@ def _default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 
 def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None = None, seed: int = 0,
                         stats=None, methods=None, loss_fn=None, loss_name: str | None = None,
-                        cache: bool = True, cache_dir=None,
+                        cache: bool = True, cache_dir=None, grad_dtype: str = "float32",
+                        granularity: str = "batch",
                         verify_cache: bool = True, progress: bool = False, group=None) -> CalibrationStats:
     r"""Per-batch gradients ``G_i`` and baseline statistics of the selected linear layers.
 
@@ -435,6 +481,17 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         loss_name: a name unique to ``loss_fn``, used in the cache key instead of its description.
         cache: reuse/write ``<cache_dir>/<key>``; ``cache_dir`` defaults to ``data/cache/calibration``.
         verify_cache: check file checksums before reusing a cache entry.
+        grad_dtype: how the per-batch gradients are stored: ``"float32"`` (default),
+            ``"bfloat16"`` (the authors' choice; half the disk, relative rounding ``2^-8``) or
+            ``"float16"`` with a per-gradient scale (half the disk, rounding ``2^-11``); MFF
+            reads them back as float32 (:class:`~fisherkron.core.operators.StoredGradients`).
+        granularity: what one gradient of Eq. (8) is. ``"batch"`` (the paper's protocol): the
+            gradient of each batch's mean loss, ``k`` of them. ``"sequence"``: each batch is
+            split into its sequences and every sequence gives one gradient (``k x batch size``
+            of them, same tokens). ``"token"``: every kept token ``t`` gives the rank-one
+            ``G_t = delta_t x_t^T``; nothing ``n x m`` is stored, only the layer's inputs ``X``
+            (``T x m``) and output gradients ``D`` (``T x n``), and MFF runs on
+            :class:`~fisherkron.core.operators.TokenFisher`.
         progress: show a tqdm bar over batches.
         group: a ``torch.distributed`` process group (or ``"auto"``: the default group when
             one is initialised with more than one process; default ``None``: this process
@@ -459,12 +516,23 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     bad = [s for s in stats if s not in STATS]
     if bad:
         raise FisherkronError(f"unknown statistic {bad[0]!r}; choose from {', '.join(STATS)}")
+    from ..core.operators import ENCODINGS
+
+    if grad_dtype not in ENCODINGS:
+        raise FisherkronError(f"grad_dtype {grad_dtype!r} is unknown; use one of {', '.join(ENCODINGS)}")
+    if granularity not in GRANULARITIES:
+        raise FisherkronError(f"granularity {granularity!r} is unknown; use one of {', '.join(GRANULARITIES)}")
+    if granularity == "token" and grad_dtype != "float32":
+        raise FisherkronError("granularity='token' stores the layers' inputs and output gradients in float32; "
+                              "leave grad_dtype at 'float32'")
     batches = list(batches)
     if k is not None:
         check_int(k, "k", minimum=1)
         if k > len(batches):
             raise FisherkronError(f"k={k} exceeds the {len(batches)} batches given")
         batches = batches[:k]
+    if granularity == "sequence":
+        batches = split_sequences(batches)
     k = len(batches)
     if k == 0:
         raise FisherkronError("no calibration batches were given")
@@ -487,12 +555,16 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
                                 digest_size=12).hexdigest()
     config = {"model": model_fingerprint(model), "data": data_fingerprint(batches), "layers": names,
               "k": k, "seed": seed, "stats": sorted(stats), "code": _code_version(),
+              "grad_dtype": grad_dtype, "granularity": granularity,
               "loss_fn": [getattr(loss_fn, "__qualname__", None), loss_hash]}
     key = hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=16).hexdigest()
 
     root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "calibration"
     final = root / key
     group = resolve_group(group)
+    if group is not None and (grad_dtype != "float32" or granularity == "token"):
+        raise FisherkronError("over a process group the gradients are stored per batch in float32; "
+                              "grad_dtype and granularity='token' are single-process options for now")
     if group is not None:
         return _collect_on_ranks(model, batches, names, modules, shapes, stats, loss_fn or _default_loss, progress,
                                  key=key, config=config, root=root, final=final, cache=cache,
@@ -514,7 +586,7 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     def write(folder: Path) -> dict:
         """Collect into ``folder`` and write its manifest; returns the per-layer info."""
         tokens = _collect(model, batches, names, modules, shapes, stats, loss_fn or _default_loss,
-                          folder, progress)
+                          folder, progress, grad_dtype=grad_dtype, granularity=granularity)
         return _write_manifest(folder, key, config, k, names, shapes, modules, tokens, world_size=1)
 
     if not cache:  # a private folder, removed when the returned object is garbage-collected
@@ -544,36 +616,87 @@ def _write_manifest(folder: Path, key: str, config: dict, k: int, names, shapes,
     return info
 
 
-def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, progress: bool):
-    """One forward + backward per batch; returns the token count per layer."""
+def _token_count(batches) -> int:
+    """Tokens the activation hooks will see over ``batches`` (those kept by the attention mask)."""
+    total = 0
+    for b in batches:
+        mask = b.get("attention_mask") if isinstance(b, dict) else None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            total += int(mask.bool().sum())
+        else:
+            ids = b.get("input_ids") if isinstance(b, dict) else None
+            if not isinstance(ids, torch.Tensor):
+                raise FisherkronError("granularity='token' needs batches with input_ids (or an attention_mask)")
+            total += ids.numel()
+    return total
+
+
+def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, progress: bool,
+             grad_dtype: str = "float32", granularity: str = "batch"):
+    """One forward + backward per batch; returns the token count per layer.
+
+    ``grad_dtype``: how the gradients are stored (:class:`~fisherkron.core.operators.StoredGradients`);
+    ``granularity="token"`` stores each layer's inputs ``X`` and output gradients ``D`` instead.
+    """
+    from ..core.operators import ENCODINGS, encode_gradient
+
     k = len(batches)
-    grads_mm = {}
-    if "grads" in stats:
+    grads_mm, scales, rows_mm, offset = {}, {}, {}, {}
+    if "grads" in stats and granularity == "token":
+        T = _token_count(batches)
         for n in names:
-            grads_mm[n] = np.lib.format.open_memmap(out / f"{n}.grads.npy", mode="w+", dtype=np.float32,
+            rows_mm[("X", n)] = np.lib.format.open_memmap(out / f"{n}.X.npy", mode="w+", dtype=np.float32,
+                                                          shape=(T, shapes[n][1]))  # (T, m)
+            rows_mm[("D", n)] = np.lib.format.open_memmap(out / f"{n}.D.npy", mode="w+", dtype=np.float32,
+                                                          shape=(T, shapes[n][0]))  # (T, n)
+            offset[("X", n)] = offset[("D", n)] = 0
+    elif "grads" in stats:
+        for n in names:
+            grads_mm[n] = np.lib.format.open_memmap(out / f"{n}.grads.npy", mode="w+", dtype=ENCODINGS[grad_dtype],
                                                     shape=(k, *shapes[n]))  # (k, n, m)
+            scales[n] = np.ones(k)
 
     def store(n: str, i: int, G: torch.Tensor) -> None:
-        grads_mm[n][i] = G.detach().float().cpu().numpy()  # (n, m) into row i
+        if n in grads_mm:
+            grads_mm[n][i], scales[n][i] = encode_gradient(G, grad_dtype)  # (n, m) into row i
+
+    def store_rows(kind: str, n: str, r: torch.Tensor) -> None:
+        mm, at = rows_mm[(kind, n)], offset[(kind, n)]
+        if at + r.shape[0] > mm.shape[0]:
+            raise FisherkronError(f"layer {n} saw more tokens than the batches' attention masks count; "
+                                  f"granularity='token' needs one row per kept token")
+        mm[at:at + r.shape[0]] = r.cpu().numpy()
+        offset[(kind, n)] = at + r.shape[0]
 
     try:
-        acc, tokens = _accumulate(model, batches, range(k), names, modules, stats, loss_fn, store, progress)
+        acc, tokens = _accumulate(model, batches, range(k), names, modules, stats, loss_fn, store, progress,
+                                  store_rows=store_rows if rows_mm else None)
     finally:
-        for mm in grads_mm.values():
+        for mm in list(grads_mm.values()) + list(rows_mm.values()):
             mm.flush()
         grads_mm.clear()
+        rows_mm.clear()
+    short = [key for key, at in offset.items() if at != T] if offset else []
+    if short:
+        raise FisherkronError(f"layer {short[0][1]} saw {offset[short[0]]} of {T} tokens ({short[0][0]}); "
+                              f"granularity='token' needs every kept token")
+    if grad_dtype == "float16":
+        for n, sc in scales.items():
+            np.save(out / f"{n}.grad_scales.npy", sc)
     _save_statistics(acc, tokens, k, names, stats, out)
     return tokens
 
 
-def _accumulate(model, batches, indices, names, modules, stats, loss_fn, store, progress: bool):
+def _accumulate(model, batches, indices, names, modules, stats, loss_fn, store, progress: bool, store_rows=None):
     """One forward + backward for each batch ``i`` in ``indices``; per-layer sums and token counts.
 
     ``store(name, i, G_i)`` keeps each gradient. Returns ``(acc, tokens)``: per layer the sums
     ``g2 = sum_i G_i o G_i``, ``abs_sum = sum_t |x_t|``, ``xxt = sum_t x_t x_t^T`` and
     ``ddt = sum_t delta_t delta_t^T`` over these batches (absent when no batch was run).
+    ``store_rows(kind, name, rows)``, when given, receives each batch's layer inputs
+    (``kind="X"``, ``(T_b, m)``) and output gradients (``"D"``, ``(T_b, n)``): the per-token form.
     """
-    want_act = any(s in stats for s in ("abs_mean", "xxt", "kfac"))
+    want_act = any(s in stats for s in ("abs_mean", "xxt", "kfac")) or store_rows is not None
     acc = {n: {} for n in names}
     tokens = {n: 0 for n in names}
     mask_holder: dict[str, torch.Tensor | None] = {"mask": None}
@@ -591,6 +714,8 @@ def _accumulate(model, batches, indices, names, modules, stats, loss_fn, store, 
             x = rows(x_in).float()  # (T, m)
             a = acc[n]
             tokens[n] += x.shape[0]
+            if store_rows is not None:
+                store_rows("X", n, x)
             # layers fed by the same tensor (q/k/v, gate/up) share one X X^T per batch
             shared = (x_in.data_ptr(), tuple(x_in.shape), x_in._version)
             if "abs_mean" in stats:
@@ -601,11 +726,14 @@ def _accumulate(model, batches, indices, names, modules, stats, loss_fn, store, 
                     shared_gram["key"], shared_gram["val"] = shared, (x.T @ x).double()  # (m, m)
                 g = shared_gram["val"]
                 a["xxt"] = g.clone() if "xxt" not in a else a["xxt"].add_(g)
-            if "kfac" in stats and outp.requires_grad:
+            if ("kfac" in stats or store_rows is not None) and outp.requires_grad:
                 def bwd(grad):
                     d = rows(grad.detach()).float()  # (T, n)
-                    dd = (d.T @ d).double()  # (n, n)
-                    a["ddt"] = dd if "ddt" not in a else a["ddt"] + dd
+                    if store_rows is not None:
+                        store_rows("D", n, d)
+                    if "kfac" in stats:
+                        dd = (d.T @ d).double()  # (n, n)
+                        a["ddt"] = dd if "ddt" not in a else a["ddt"] + dd
                 outp.register_hook(bwd)
         return fwd
 
