@@ -268,20 +268,64 @@ def test_a_damaged_cache_entry_is_recomputed_not_served(tmp_path):
 
 
 # ---------------------------------------------------------------------------- 4. interruptions
-def test_sigterm_during_calibration_leaves_no_temporary_folder(tmp_path):
+@pytest.mark.parametrize("grad_dtype,granularity", [("float32", "batch"), ("float16", "batch"),
+                                                    ("float32", "token")])
+def test_sigterm_during_calibration_keeps_the_batches_done_and_a_rerun_resumes(grad_dtype, granularity, tmp_path):
+    """SIGTERM (or Ctrl-C) finishes the batch under way, keeps the progress, and the same call resumes:
+    only the remaining batches run again and the entry equals an uninterrupted one."""
     model, b = tiny_llama(), _batches(k=4)
+    layers = r"model\.layers\.0\.mlp\..*"
+    calls, armed = [], [True]
+
+    def loss(m, x):
+        calls.append(1)
+        if armed[0] and len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return m(**x).loss
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    run = functools.partial(collect_calibration, model, b, layers, loss_fn=loss, loss_name="t",
+                            grad_dtype=grad_dtype, granularity=granularity)
+    with pytest.raises(KeyboardInterrupt, match="after batch 2 of 4"):
+        run(cache_dir=tmp_path)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == old
+    (partial,) = list(tmp_path.iterdir())
+    assert partial.name.endswith(".partial") and (partial / "progress.pt").exists()
+    calls.clear()
+    armed[0] = False
+    st = run(cache_dir=tmp_path)
+    assert len(calls) == 2  # batches 3 and 4 only
+    assert [p.name for p in tmp_path.iterdir()] == [st.key] and not (st.dir / "progress.pt").exists()
+    ref = collect_calibration(model, b, layers, loss_fn=loss, loss_name="t", grad_dtype=grad_dtype,
+                              granularity=granularity, cache_dir=tmp_path / "ref")
+    for name in st.layers:
+        for stat in ("diag_fisher", "xxt", "ddt", "abs_mean"):
+            np.testing.assert_array_equal(st._load(name, stat).numpy(), ref._load(name, stat).numpy())
+        if granularity == "token":
+            np.testing.assert_array_equal(st._load(name, "X").numpy(), ref._load(name, "X").numpy())
+            np.testing.assert_array_equal(st._load(name, "D").numpy(), ref._load(name, "D").numpy())
+        else:
+            np.testing.assert_array_equal(np.load(st.grads_path(name)), np.load(ref.grads_path(name)))
+        assert st.layers[name]["tokens"] == ref.layers[name]["tokens"]
+
+
+def test_a_second_signal_stops_calibration_at_once_and_a_live_owner_is_respected(tmp_path):
+    model, b = tiny_llama(), _batches(k=3)
     calls = []
 
     def loss(m, x):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 1:
             os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the second one raises inside this batch
         return m(**x).loss
-    old = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(KeyboardInterrupt):
-        collect_calibration(model, b, None, stats=("grads",), loss_fn=loss, loss_name="t", cache_dir=tmp_path)
-    assert signal.getsignal(signal.SIGTERM) is old
-    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyboardInterrupt, match="terminated by signal"):
+        collect_calibration(model, b, "model.layers.0.mlp.up_proj", loss_fn=loss, loss_name="s", cache_dir=tmp_path)
+    (partial,) = list(tmp_path.iterdir())
+    assert not (partial / "progress.pt").exists()  # nothing finished: a rerun starts from batch 1
+    # a folder another live process is filling is left alone
+    (partial / "owner.pid").write_text(str(os.getppid()))
+    with pytest.raises(FisherkronError, match=f"process {os.getppid()} is collecting this calibration"):
+        collect_calibration(model, b, "model.layers.0.mlp.up_proj", loss_fn=loss, loss_name="s", cache_dir=tmp_path)
 
 
 def test_stale_temporaries_of_dead_processes_are_reclaimed(tmp_path, caplog):

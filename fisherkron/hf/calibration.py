@@ -33,6 +33,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 import types
 import weakref
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core.checks import check_int
+from ..core.checks import check_int, check_positive
 from ..core.conventions import FisherkronError
 from ..core.distributed import (all_or_none, all_reduce_, broadcast_int, broadcast_object, rank_of, resolve_group,
                                 world_of)
@@ -432,6 +433,107 @@ def _read_cache(path: Path, key: str, verify: bool) -> dict | None:
 
 # ----------------------------------------------------------------------------- collection
 
+PARTIAL_SUFFIX = ".partial"
+
+
+class _Checkpoint:
+    """The progress of a cached collection in its ``<key>.partial/`` folder: batches done and the sums so far.
+
+    Saved (atomically) at a batch boundary at least every ``every`` seconds and when a signal
+    asked the collection to stop; read back by the next call with the same key.
+    """
+
+    FILE = "progress.pt"
+
+    def __init__(self, folder: Path, key: str, every: float, signals: "_Signals"):
+        self.folder, self.key, self.every, self.signals = folder, key, every, signals
+        self.last = time.monotonic()
+
+    def load(self):
+        """``(done, acc, tokens)`` of an earlier interrupted run, or ``None``."""
+        f = self.folder / self.FILE
+        if not f.exists():
+            return None
+        try:
+            got = torch.load(f, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - an unreadable checkpoint means: start again
+            log.warning("calibration progress %s is unreadable (%s); starting again", f, exc)
+            return None
+        if got.get("key") != self.key:
+            return None
+        return int(got["done"]), got["acc"], dict(got["tokens"])
+
+    def due(self) -> bool:
+        return self.signals.pending is not None or time.monotonic() - self.last >= self.every
+
+    def save(self, done: int, acc, tokens) -> None:
+        state = {"key": self.key, "done": done, "acc": acc, "tokens": tokens}
+        atomic_write(self.folder / self.FILE, lambda t: torch.save(state, t))
+        self.last = time.monotonic()
+
+
+class _Signals:
+    pending: int | None = None
+
+
+@contextlib.contextmanager
+def _deferred_interrupts():
+    """Ctrl-C and SIGTERM set ``pending`` instead of raising, so the batch under way can finish and
+    the progress be kept; a second signal raises ``KeyboardInterrupt`` at once (main thread only)."""
+    import signal
+    import threading
+
+    flag = _Signals()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handler(signum, frame):
+        if flag.pending is not None:
+            raise KeyboardInterrupt(f"terminated by signal {signum}")
+        flag.pending = signum
+        log.warning("signal %d: finishing the current calibration batch and keeping the progress "
+                    "(send it again to stop at once)", signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+@contextlib.contextmanager
+def _owned(partial: Path):
+    """Create ``partial`` (or take over a dead process's); refuse one a live process is filling."""
+    from ..env import _pid_alive
+
+    partial.mkdir(parents=True, exist_ok=True)
+    lock = partial / "owner.pid"
+    if lock.exists():
+        try:
+            pid = int(lock.read_text().strip() or 0)
+        except (OSError, ValueError):
+            pid = 0
+        if pid and pid != os.getpid() and _pid_alive(pid):
+            raise FisherkronError(f"process {pid} is collecting this calibration into {partial}; wait for it "
+                                  f"to finish (or stop it) and run again")
+    lock.write_text(str(os.getpid()))
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _note_other_partials(root: Path, mine: Path) -> None:
+    """Say once that interrupted collections of other configurations hold disk space."""
+    others = [p for p in root.glob(f"*{PARTIAL_SUFFIX}") if p != mine and p.is_dir()]
+    if others:
+        size = sum(f.stat().st_size for p in others for f in p.rglob("*") if f.is_file())
+        log.info("%d interrupted calibration(s) of other configurations in %s hold %.2f GB; they resume if "
+                 "run again with the same arguments, or delete them", len(others), root, size / 1e9)
+
+
 def split_sequences(batches) -> list[dict]:
     """Each batch of ``B`` sequences as ``B`` batches of one (tensors split along dim 0; other values shared)."""
     out = []
@@ -457,7 +559,7 @@ def _default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None = None, seed: int = 0,
                         stats=None, methods=None, loss_fn=None, loss_name: str | None = None,
                         cache: bool = True, cache_dir=None, grad_dtype: str = "float32",
-                        granularity: str = "batch",
+                        granularity: str = "batch", checkpoint_seconds: float = 300.0,
                         verify_cache: bool = True, progress: bool = False, group=None) -> CalibrationStats:
     r"""Per-batch gradients ``G_i`` and baseline statistics of the selected linear layers.
 
@@ -492,6 +594,11 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
             ``G_t = delta_t x_t^T``; nothing ``n x m`` is stored, only the layer's inputs ``X``
             (``T x m``) and output gradients ``D`` (``T x n``), and MFF runs on
             :class:`~fisherkron.core.operators.TokenFisher`.
+        checkpoint_seconds: a cached collection is written into ``<key>.partial/`` and keeps
+            its progress there (the batches done and the sums so far) at least this often and
+            when it is interrupted (Ctrl-C or SIGTERM: the batch under way is finished first;
+            a second signal stops at once). Run the same call again and it resumes from the
+            last batch kept; the folder becomes the cache entry when the last batch is done.
         progress: show a tqdm bar over batches.
         group: a ``torch.distributed`` process group (or ``"auto"``: the default group when
             one is initialised with more than one process; default ``None``: this process
@@ -583,10 +690,10 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
             shutil.rmtree(final)
     root.mkdir(parents=True, exist_ok=True)
 
-    def write(folder: Path) -> dict:
+    def write(folder: Path, checkpoint: "_Checkpoint | None" = None) -> dict:
         """Collect into ``folder`` and write its manifest; returns the per-layer info."""
         tokens = _collect(model, batches, names, modules, shapes, stats, loss_fn or _default_loss,
-                          folder, progress, grad_dtype=grad_dtype, granularity=granularity)
+                          folder, progress, grad_dtype=grad_dtype, granularity=granularity, checkpoint=checkpoint)
         return _write_manifest(folder, key, config, k, names, shapes, modules, tokens, world_size=1)
 
     if not cache:  # a private folder, removed when the returned object is garbage-collected
@@ -600,8 +707,17 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         out = CalibrationStats(tmp, layer_info, k, key, config, stats, from_cache=False)
         weakref.finalize(out, shutil.rmtree, str(tmp), True)
         return out
-    with sigterm_as_interrupt(), atomic_directory(final) as tmp:
-        layer_info = write(tmp)
+    check_positive(checkpoint_seconds, "checkpoint_seconds")
+    partial = root / f"{key}{PARTIAL_SUFFIX}"
+    _note_other_partials(root, partial)
+    with _owned(partial), _deferred_interrupts() as signals:
+        try:
+            layer_info = write(partial, _Checkpoint(partial, key, checkpoint_seconds, signals))
+        except FisherkronError:  # bad data or a bad argument: nothing of it is kept
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        (partial / _Checkpoint.FILE).unlink(missing_ok=True)
+        os.replace(partial, final)  # one rename: the entry appears whole
     return CalibrationStats(final, layer_info, k, key, config, stats, from_cache=False)
 
 
@@ -631,30 +747,48 @@ def _token_count(batches) -> int:
     return total
 
 
+def _open_rows(path: Path, dtype, shape, resume: bool) -> np.memmap:
+    """A ``.npy`` memory map to fill: the existing one when resuming (same dtype and shape), else a new one."""
+    if resume and path.exists():
+        try:
+            mm = np.load(path, mmap_mode="r+")
+            if mm.dtype == np.dtype(dtype) and mm.shape == tuple(shape):
+                return mm
+        except (OSError, ValueError, EOFError):
+            pass
+        raise FisherkronError(f"{path} does not match the interrupted collection it belongs to; delete "
+                              f"{path.parent} and run again")
+    return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape))
+
+
 def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, progress: bool,
-             grad_dtype: str = "float32", granularity: str = "batch"):
+             grad_dtype: str = "float32", granularity: str = "batch", checkpoint: _Checkpoint | None = None):
     """One forward + backward per batch; returns the token count per layer.
 
     ``grad_dtype``: how the gradients are stored (:class:`~fisherkron.core.operators.StoredGradients`);
     ``granularity="token"`` stores each layer's inputs ``X`` and output gradients ``D`` instead.
+    ``checkpoint``: resume from the batches an interrupted run kept, and keep progress.
     """
     from ..core.operators import ENCODINGS, encode_gradient
 
     k = len(batches)
+    resumed = checkpoint.load() if checkpoint is not None else None
+    done, acc0, tokens0 = resumed if resumed is not None else (0, None, None)
+    if resumed is not None:
+        log.warning("resuming the calibration in %s at batch %d of %d", out, done, k)
     grads_mm, scales, rows_mm, offset = {}, {}, {}, {}
     if "grads" in stats and granularity == "token":
         T = _token_count(batches)
         for n in names:
-            rows_mm[("X", n)] = np.lib.format.open_memmap(out / f"{n}.X.npy", mode="w+", dtype=np.float32,
-                                                          shape=(T, shapes[n][1]))  # (T, m)
-            rows_mm[("D", n)] = np.lib.format.open_memmap(out / f"{n}.D.npy", mode="w+", dtype=np.float32,
-                                                          shape=(T, shapes[n][0]))  # (T, n)
-            offset[("X", n)] = offset[("D", n)] = 0
+            rows_mm[("X", n)] = _open_rows(out / f"{n}.X.npy", np.float32, (T, shapes[n][1]), done > 0)  # (T, m)
+            rows_mm[("D", n)] = _open_rows(out / f"{n}.D.npy", np.float32, (T, shapes[n][0]), done > 0)  # (T, n)
+            offset[("X", n)] = offset[("D", n)] = tokens0[n] if tokens0 else 0
     elif "grads" in stats:
         for n in names:
-            grads_mm[n] = np.lib.format.open_memmap(out / f"{n}.grads.npy", mode="w+", dtype=ENCODINGS[grad_dtype],
-                                                    shape=(k, *shapes[n]))  # (k, n, m)
+            grads_mm[n] = _open_rows(out / f"{n}.grads.npy", ENCODINGS[grad_dtype], (k, *shapes[n]), done > 0)
             scales[n] = np.ones(k)
+            if done > 0 and grad_dtype == "float16":
+                scales[n][:done] = np.load(out / f"{n}.grad_scales.partial.npy")[:done]
 
     def store(n: str, i: int, G: torch.Tensor) -> None:
         if n in grads_mm:
@@ -668,9 +802,26 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
         mm[at:at + r.shape[0]] = r.cpu().numpy()
         offset[(kind, n)] = at + r.shape[0]
 
+    def flush() -> None:
+        for mm in list(grads_mm.values()) + list(rows_mm.values()):
+            mm.flush()
+        if grad_dtype == "float16":
+            for n, sc in scales.items():
+                np.save(out / f"{n}.grad_scales.partial.npy", sc)
+
+    def after_batch(i: int, acc, tokens) -> None:
+        if checkpoint is None or not checkpoint.due():
+            return
+        flush()
+        checkpoint.save(i + 1, acc, tokens)
+        if checkpoint.signals.pending is not None:
+            raise KeyboardInterrupt(f"calibration stopped after batch {i + 1} of {k}; its progress is kept in "
+                                    f"{out}: run the same call again to resume")
+
     try:
-        acc, tokens = _accumulate(model, batches, range(k), names, modules, stats, loss_fn, store, progress,
-                                  store_rows=store_rows if rows_mm else None)
+        acc, tokens = _accumulate(model, batches, range(done, k), names, modules, stats, loss_fn, store, progress,
+                                  store_rows=store_rows if rows_mm else None, acc=acc0, tokens=tokens0,
+                                  after_batch=after_batch, total=k)
     finally:
         for mm in list(grads_mm.values()) + list(rows_mm.values()):
             mm.flush()
@@ -683,11 +834,13 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
     if grad_dtype == "float16":
         for n, sc in scales.items():
             np.save(out / f"{n}.grad_scales.npy", sc)
+            (out / f"{n}.grad_scales.partial.npy").unlink(missing_ok=True)
     _save_statistics(acc, tokens, k, names, stats, out)
     return tokens
 
 
-def _accumulate(model, batches, indices, names, modules, stats, loss_fn, store, progress: bool, store_rows=None):
+def _accumulate(model, batches, indices, names, modules, stats, loss_fn, store, progress: bool, store_rows=None,
+                acc=None, tokens=None, after_batch=None, total: int | None = None):
     """One forward + backward for each batch ``i`` in ``indices``; per-layer sums and token counts.
 
     ``store(name, i, G_i)`` keeps each gradient. Returns ``(acc, tokens)``: per layer the sums
@@ -695,10 +848,12 @@ def _accumulate(model, batches, indices, names, modules, stats, loss_fn, store, 
     ``ddt = sum_t delta_t delta_t^T`` over these batches (absent when no batch was run).
     ``store_rows(kind, name, rows)``, when given, receives each batch's layer inputs
     (``kind="X"``, ``(T_b, m)``) and output gradients (``"D"``, ``(T_b, n)``): the per-token form.
+    ``acc`` / ``tokens``: sums to continue (a resumed collection); ``after_batch(i, acc, tokens)``
+    runs after each batch is complete; ``total``: the number of batches the progress bar shows.
     """
     want_act = any(s in stats for s in ("abs_mean", "xxt", "kfac")) or store_rows is not None
-    acc = {n: {} for n in names}
-    tokens = {n: 0 for n in names}
+    acc = acc if acc is not None else {n: {} for n in names}
+    tokens = tokens if tokens is not None else {n: 0 for n in names}
     mask_holder: dict[str, torch.Tensor | None] = {"mask": None}
     shared_gram: dict = {}
 
@@ -747,7 +902,10 @@ def _accumulate(model, batches, indices, names, modules, stats, loss_fn, store, 
             modules[n].weight.requires_grad_(True)
         model.eval()
         device = next(model.parameters()).device
-        for i in tqdm(indices, desc="calibration", disable=not progress):
+        indices = list(indices)
+        start = total - len(indices) if total is not None else 0
+        for i in tqdm(indices, desc="calibration", disable=not progress, initial=start,
+                      total=total if total is not None else len(indices)):
             batch = batches[i]
             if isinstance(batch, dict):
                 batch = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in batch.items()}
@@ -775,6 +933,8 @@ def _accumulate(model, batches, indices, names, modules, stats, loss_fn, store, 
                         acc[n]["g2"] = torch.zeros_like(Gf)  # (n, m) float32: k is small
                     acc[n]["g2"].addcmul_(Gf, Gf)
                 modules[n].weight.grad = None
+            if after_batch is not None:
+                after_batch(i, acc, tokens)
     finally:
         for h in handles:
             h.remove()
