@@ -347,3 +347,29 @@ def test_compress_with_device_runs_gfwsvd(tmp_path, capsys, models):
     out = tmp_path / "out"
     assert run(["-q", "compress", models["llama"], "--out", out, *FAST, "--device", "cpu", "--method", "gfwsvd"]) == 0
     assert json.loads(capsys.readouterr().out)["method"] == "gfwsvd"
+
+
+@pytest.mark.parametrize("allocation", ["fisher", "sensitivity"])
+def test_compress_with_an_allocation_meets_the_ratio(allocation, tmp_path, capsys, models):
+    out = tmp_path / "out"
+    fast = ["--k", "2", "--batch-size", "2", "--seq-len", "16", "--no-cache"]
+    assert run(["-q", "compress", models["llama"], "--out", out, *fast, "--ratio", "0.2", "--allocation", allocation,
+                "--grad-dtype", "bfloat16"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["allocation"] == allocation and summary["ratio"] >= 0.2
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--rank", "2", "--allocation", "fisher"], "give --ratio instead of --rank"),
+    (["--ratio", "0.2", "--allocation", "fisher", "--method", "svd"], "method svd collects none"),
+    (["--rank", "2", "--method", "svd_llm", "--granularity", "token"], "does not run MFF"),
+], ids=["rank", "svd", "granularity"])
+def test_allocation_and_gradient_options_are_checked_first(extra, message, tmp_path, cheap, capsys, models):
+    err = error(["compress", models["llama"], "--out", tmp_path / "out", *extra], capsys)
+    assert message in err
+
+
+def test_sensitivity_allocation_is_refused_for_a_classifier(tmp_path, cheap, capsys, models):
+    err = error(["compress", models["bert"], "--data", "sst2", "--ratio", "0.1", "--allocation", "sensitivity",
+                 "--out", tmp_path / "out"], capsys)
+    assert "use --allocation fisher or uniform" in err

@@ -39,6 +39,10 @@ CALIBRATION = ("c4",) + opt.CLASSIFICATION_DATA
 DEFAULT_SEQ_LEN = 256
 
 
+#: C4 documents held out of the calibration for --allocation sensitivity (its loss is measured on them)
+HELDOUT_DOCS = 200
+
+
 def _settings(args) -> dict:
     """Everything decided from the options and the model's ``config.json`` alone (no model loaded)."""
     from ..hf.data import TASKS as DATA_TASKS
@@ -80,6 +84,18 @@ def _settings(args) -> dict:
         if args.ppl_tokens is not None:
             raise FisherkronError(f"--ppl-tokens scores PTB perplexity of a causal LM; {args.model} is a sequence "
                                   f"classifier (use `fisherkron evaluate --data {data}` on the saved folder)")
+    if args.allocation != "uniform" and args.ratio is None:
+        raise FisherkronError(f"--allocation {args.allocation} chooses per-layer ranks for a target --ratio; "
+                              f"give --ratio instead of --rank")
+    if args.allocation == "sensitivity" and task != "causal-lm":
+        raise FisherkronError("--allocation sensitivity measures the loss on held-out C4 batches (causal LMs); "
+                              "for a classifier use --allocation fisher or uniform")
+    if args.allocation == "fisher" and args.method == "svd":
+        raise FisherkronError("--allocation fisher reads the calibration's Fisher, and method svd collects none; "
+                              "use another method or --allocation sensitivity")
+    if (args.grad_dtype != "float32" or args.granularity != "batch") and not METHODS[args.method].kronecker:
+        raise FisherkronError(f"--grad-dtype and --granularity shape the gradients MFF reads; method {args.method} "
+                              f"does not run MFF")
     if args.tol is not None and not METHODS[args.method].kronecker:
         raise FisherkronError(f"--tol sets MFF's tolerance, and method {args.method} does not run MFF")
     if args.method == "svd" and (args.cache_dir is not None or args.no_cache):
@@ -168,8 +184,11 @@ def _run(args) -> int:
             return 0
         if not args.quiet:
             _print_table(table)
+        if args.allocation != "uniform":
+            log.warning("--allocation %s chooses the ranks after calibration; the plan shown is the uniform one "
+                        "for the same ratio", args.allocation)
         print(json.dumps({"dry_run": True, "model": args.model, "task": s["task"], "method": args.method,
-                          "layers": len(names), "ranks": plan,
+                          "allocation": args.allocation, "layers": len(names), "ranks": plan,
                           **{k: v for k, v in table.items() if k != "rows"}}))
         return 0
     if args.verbose:
@@ -187,7 +206,10 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
     """Step 4, the expensive part: data, perplexity before, calibration, (MFF over the ranks,) compression, saving."""
     progress = not args.quiet
     if s["task"] == "causal-lm":
-        batches = api.lm_batches(tok, api.c4_documents(), args.k, batch_size=args.batch_size,
+        docs = api.c4_documents()
+        if args.allocation == "sensitivity":  # the sweep's held-out documents stay out of the calibration
+            docs = docs[:-HELDOUT_DOCS]
+        batches = api.lm_batches(tok, docs, args.k, batch_size=args.batch_size,
                                  seq_len=seq_len, seed=args.seed)
     else:
         batches = api.classification_batches(tok, api.load_task(s["data"], "train"), args.k,
@@ -198,11 +220,20 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
         before = api.perplexity(model, tok, api.ptb("test"), seq_len=seq_len,
                                 max_tokens=args.ppl_tokens, progress=progress).ppl
     stats = None
-    if METHODS[args.method].needs:
+    methods = (args.method,) + (("kfac",) if args.allocation == "fisher" and not METHODS[args.method].kronecker
+                                 and "kfac" not in METHODS[args.method].needs else ())
+    if METHODS[args.method].needs or args.allocation == "fisher":
         stats = api.collect_calibration(model, batches, args.layers, k=args.k, seed=args.seed,
-                                        methods=(args.method,), cache=not args.no_cache,
+                                        methods=methods, cache=not args.no_cache,
                                         cache_dir=args.cache_dir, progress=progress,
+                                        grad_dtype=args.grad_dtype, granularity=args.granularity,
                                         group=None if launch is None else launch.group)
+    allocation_options = None
+    if args.allocation == "sensitivity":  # held-out C4 batches: other documents than the calibration's
+        docs = api.c4_documents()
+        held = docs[-HELDOUT_DOCS:]
+        allocation_options = {"heldout": api.lm_batches(tok, held, 1, batch_size=args.batch_size,
+                                                        seq_len=seq_len, seed=args.seed + 1)}
     mff_options = {}
     if args.device is not None and launch is None:
         mff_options["device"] = args.device
@@ -219,7 +250,8 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
             before = api.perplexity(model, tok, api.ptb("test"), seq_len=seq_len,
                                     max_tokens=args.ppl_tokens, progress=progress).ppl
     report = api.compress(model, args.method, stats, args.layers, rank=args.rank, ratio=args.ratio,
-                          min_alpha=args.min_alpha, mff_options=mff_options, progress=progress)
+                          min_alpha=args.min_alpha, mff_options=mff_options, allocation=args.allocation,
+                          allocation_options=allocation_options, min_speedup=args.min_speedup, progress=progress)
     if not args.quiet:
         print(str(report), file=sys.stderr)
     unconverged = [n for n, lr in report.layers.items() if lr.mff_converged is False]
@@ -228,7 +260,9 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
     out = api.save_compressed(model, args.out, report=report, tokenizer=tok, overwrite=args.overwrite,
                               merged=args.merged)
     summary = {"out": str(out), "model": args.model, "task": s["task"], "data": s["data"], "method": args.method,
-               "ratio": report.ratio, "params_before": report.params_before, "params_after": report.params_after}
+               "ratio": report.ratio, "params_before": report.params_before, "params_after": report.params_after,
+               "allocation": report.allocation, "layers_kept_dense": sum(lr.skipped is not None
+                                                                         for lr in report.layers.values())}
     if args.ppl_tokens:
         reloaded = api.load_compressed(out)
         if args.device is not None:
@@ -257,6 +291,19 @@ def add_compress_command(sub, verbosity_options) -> None:
     c.add_argument("--min-alpha", type=opt.non_negative_float, default=MIN_ALPHA,
                    help="floor of the regularisation alpha of the Kronecker factors (see fisherkron.regularize)")
     c.add_argument("--tol", type=opt.tol, default=None, help="MFF's target relative error, in (0, 1)")
+    c.add_argument("--allocation", choices=("uniform", "sensitivity", "fisher"), default="uniform",
+                   help="with --ratio, how per-layer ranks are chosen: one ratio for every layer (uniform, the "
+                        "default); ASVD's measured sensitivity on held-out C4 batches, the paper's protocol "
+                        "(sensitivity; the last %d C4 documents are held out of the calibration); or Theorem 1's "
+                        "predicted loss increase, no model evaluation (fisher)" % HELDOUT_DOCS)
+    c.add_argument("--grad-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="how calibration gradients are stored (16-bit: half the disk)")
+    c.add_argument("--granularity", choices=("batch", "sequence", "token"), default="batch",
+                   help="what one gradient of the empirical Fisher is: a batch's (the paper's, default), "
+                        "a sequence's, or a token's (rank one, matrix-free)")
+    c.add_argument("--min-speedup", type=opt.positive_float, default=None,
+                   help="keep a layer dense unless its factorisation is measured at least this many times as "
+                        "fast (e.g. 1.0); the achieved ratio may then fall below --ratio")
     c.add_argument("--layers", default=None, help="regex/glob of nn.Linear names (default: the paper's layers)")
     c.add_argument("--data", default=None, choices=CALIBRATION,
                    help="calibration data: c4 for causal LMs (the default); sst2, boolq or trec for a classifier")
