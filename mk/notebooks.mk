@@ -88,6 +88,23 @@ ifneq ($(PROFILE),smoke)
 NOTEBOOKS := $(filter-out fig_rank_allocation,$(NOTEBOOKS))
 endif
 
+# Kronecker spectrum of every linear layer of SmolLM2 and MiniLM (Sec. 4, Fig. singular_values); about 20 min on 2 cores.
+$(eval $(call notebook,fig_singular_values,$(call fig,fig_singular_values) $(call tab,tab_singular_values tab_singular_values_layers tab_singular_values_k) $(FIGDIR)/fig_singular_values_summary.provenance.json,$(HF_SRC) $(EXP)/spectrum.py))
+fig_singular_values: ## Fig. singular_values (Sec. 4): top singular values of R(F) for every linear layer of SmolLM2 and MiniLM
+
+# FLOPs and inference speed of GFWSVD-compressed SmolLM2 (App. F, Tabs. flops_comparison, throughput_fwsvd, throughput_forward).
+$(eval $(call notebook,tab_throughput,$(call tab,tab_flops_comparison tab_throughput_fwsvd tab_throughput_forward tab_throughput_layers) $(call fig,fig_throughput) $(FIGDIR)/tab_throughput_summary.provenance.json,$(HF_SRC) $(EXP)/throughput.py))
+tab_throughput: ## Tabs. flops_comparison, throughput_fwsvd, throughput_forward (App. F): FLOPs and measured speed of compressed SmolLM2
+
+# Encoder compression (Sec. 6.2): MiniLM fine-tuned per task and seed, its FFN layers compressed by rank.
+$(eval $(call notebook,tab_glue_results,$(call tab,tab_glue_results tab_glue_extended) $(call fig,fig_bert_glue_avg) $(FIGDIR)/tab_glue_results_summary.provenance.json,$(HF_SRC) $(EXP)/glue.py $(EXP)/glue_summary.py))
+tab_glue_results: ## Tab. glue_results + Tab. glue_extended + Fig. bert_glue_avg (Sec. 6.2): fine-tune MiniLM per task, compress its FFN layers by rank (about 70 min)
+# About 70 minutes on 2 cores from a cold cache (estimate in notebooks/params/tab_glue_results.default.yaml);
+# kept out of `make all` until its outputs are committed; `make smoke` runs it, `make tab_glue_results` runs it.
+ifneq ($(PROFILE),smoke)
+NOTEBOOKS := $(filter-out tab_glue_results,$(NOTEBOOKS))
+endif
+
 # -- aggregate targets ----------------------------------------------------------
 # Second expansion: `all` sees the notebooks that mk/*.mk files read after this one add.
 .SECONDEXPANSION:

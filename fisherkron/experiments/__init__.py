@@ -9,6 +9,8 @@ module                      what it holds
 ``benchmark``               timing MFF against it on the same gradients (Sec. 4.2)
 ``spectrum``                the Kronecker spectrum of every linear layer (Fig. singular_values)
 ``throughput``              FLOPs and measured speed of compressed decoders (App. F)
+``glue``                    the encoder study (Sec. 6.2): splits, fine-tuning (cached), compression
+``glue_summary``            its tables (Tab. glue_results, glue_extended) and verdicts
 ``figures``                 figures and tables written atomically with provenance records
 ==========================  ================================================================
 
