@@ -12,6 +12,11 @@ calibration batches, one pass of forward + backward per batch records
 * the K-FAC factors ``A = X X^T / T`` and ``B = (1/k) sum_t delta_t delta_t^T``
   (``delta = dL/dy``), the warm start of MFF.
 
+With ``grad_dtype`` the gradients are stored in 16 bits; with ``granularity="sequence"``
+every sequence gives one gradient, with ``"token"`` every token's rank-one ``delta_t x_t^T``
+(only the inputs ``X`` and output gradients ``D`` are stored). A cached collection keeps its
+progress in ``<key>.partial/`` and resumes after an interruption.
+
 Tokens masked out by ``attention_mask`` are left out of the activation
 statistics. Results are cached on disk under a key of (model weights and
 config, data, layers, k, seed, code version); a cache entry is used only if
