@@ -81,12 +81,7 @@ fig_time_algo: ## Fig. + Tab. time_algo (Sec. 4.2): MFF runtime against layer si
 
 # Rank allocation on the embedded decoder (Sec. 6.3 protocol): uniform, ASVD sensitivity, Fisher-predicted.
 $(eval $(call notebook,fig_rank_allocation,$(call fig,fig_rank_allocation fig_rank_allocation_validation) $(call tab,tab_rank_allocation) $(FIGDIR)/fig_rank_allocation_summary.provenance.json,$(HF_SRC) $(EXP)/rank_allocation.py))
-fig_rank_allocation: ## Sec. 6.3: per-layer rank allocation (uniform / sensitivity / Fisher) x methods x ratios on SmolLM2 (hours at the default grid)
-# Its default grid takes hours on 2 cores (about 4 min per compressed SmolLM2), so it is not
-# part of `make all` until its outputs are committed; `make smoke` runs it, `make fig_rank_allocation` runs it.
-ifneq ($(PROFILE),smoke)
-NOTEBOOKS := $(filter-out fig_rank_allocation,$(NOTEBOOKS))
-endif
+fig_rank_allocation: ## Sec. 6.3: per-layer rank allocation (uniform / sensitivity / Fisher) x methods x ratios on SmolLM2 (100 min on 2 cores)
 
 # Kronecker spectrum of every linear layer of SmolLM2 and MiniLM (Sec. 4, Fig. singular_values); about 20 min on 2 cores.
 $(eval $(call notebook,fig_singular_values,$(call fig,fig_singular_values) $(call tab,tab_singular_values tab_singular_values_layers tab_singular_values_k) $(FIGDIR)/fig_singular_values_summary.provenance.json,$(HF_SRC) $(EXP)/spectrum.py))
