@@ -441,6 +441,15 @@ def _read_cache(path: Path, key: str, verify: bool) -> dict | None:
 PARTIAL_SUFFIX = ".partial"
 
 
+def _reclaim(root: Path) -> None:
+    """Remove the temporary folders that killed calibration runs left in ``root``, and say so."""
+    if root.is_dir():
+        count, freed = remove_stale_temporaries(root)
+        if count:
+            log.warning("removed %d temporary folder(s) left by interrupted calibration runs in %s "
+                        "(%.1f MB reclaimed)", count, root, freed / 2**20)
+
+
 class _Checkpoint:
     """The progress of a cached collection in its ``<key>.partial/`` folder: batches done and the sums so far.
 
@@ -681,11 +690,7 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         return _collect_on_ranks(model, batches, names, modules, shapes, stats, loss_fn or _default_loss, progress,
                                  key=key, config=config, root=root, final=final, cache=cache,
                                  verify_cache=verify_cache, group=group)
-    if root.is_dir():
-        count, freed = remove_stale_temporaries(root)
-        if count:
-            log.warning("removed %d temporary folder(s) left by interrupted calibration runs in %s "
-                        "(%.1f MB reclaimed)", count, root, freed / 2**20)
+    _reclaim(root)
     if cache:
         man = _read_cache(final, key, verify_cache)
         if man is not None:
@@ -1042,11 +1047,7 @@ def _collect_on_ranks(model, batches, names, modules, shapes, stats, loss_fn, pr
     with sigterm_as_interrupt():
         with all_or_none(group, "reading the calibration cache"):
             if rank == 0:
-                if root.is_dir():
-                    count, freed = remove_stale_temporaries(root)
-                    if count:
-                        log.warning("removed %d temporary folder(s) left by interrupted calibration runs in %s "
-                                    "(%.1f MB reclaimed)", count, root, freed / 2**20)
+                _reclaim(root)
                 if cache:
                     man = _read_cache(final, key, verify_cache)
                     if man is None and final.exists():
