@@ -24,7 +24,6 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .checks import check_matrix
 from .wsvd import decompose
 from .conventions import FisherkronError
 
@@ -55,9 +54,7 @@ def truncation_errors(W, left=None, right=None, A=None, B=None) -> torch.Tensor:
     Returns:
         float64 tensor of length ``q + 1``; ``e[q] = 0`` up to round-off.
     """
-    W = torch.as_tensor(W).double()
-    check_matrix(W, "W")
-    return decompose(W, left, right).errors(A, B)
+    return decompose(W, left, right, name="W").errors(A, B)
 
 
 def choose_ranks(curves: Mapping[str, np.ndarray | torch.Tensor], shapes: Mapping[str, tuple[int, int]],

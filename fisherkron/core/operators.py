@@ -710,33 +710,28 @@ class TokenFisher:
             torch.cuda.synchronize(self.device)
         self.product_seconds += time.perf_counter() - t0
 
+    def _product(self, P: torch.Tensor, Q: torch.Tensor, M: torch.Tensor | None) -> torch.Tensor:
+        """``(1/T) sum_t (p_t^T M p_t) q_t q_t^T`` for rows ``p_t`` of ``P`` (``T x a``), ``q_t`` of ``Q``
+        (``T x b``); ``M=None`` means ``I_a``. Both products below are this with the sides swapped."""
+        t0 = time.perf_counter()
+        T, a = P.shape
+        if M is None:
+            w = (P * P).sum(1)  # (T,): |p_t|^2
+            flops = 2 * T * a
+        else:
+            w = ((P @ M.to(self.device, self.dtype)) * P).sum(1)  # (T,): p_t^T M p_t
+            flops = 2 * T * a * a + 2 * T * a
+        out = self._weighted_gram(Q, w)
+        self._count(t0, flops + 2 * T * Q.shape[1] ** 2)
+        return out
+
     def apply(self, Z: torch.Tensor | None, symmetric: bool = False) -> torch.Tensor:
         """``(1/T) sum_t (delta_t^T Z delta_t) x_t x_t^T`` (``m x m``); ``Z=None`` means ``I_n``."""
-        t0 = time.perf_counter()
-        T, n, m = self.k, self.n, self.m
-        if Z is None:
-            w = (self.D * self.D).sum(1)  # (T,): |delta_t|^2
-            flops = 2 * T * n
-        else:
-            w = ((self.D @ Z.to(self.device, self.dtype)) * self.D).sum(1)  # (T,): delta_t^T Z delta_t
-            flops = 2 * T * n * n + 2 * T * n
-        out = self._weighted_gram(self.X, w)
-        self._count(t0, flops + 2 * T * m * m)
-        return out
+        return self._product(self.D, self.X, Z)
 
     def apply_adjoint(self, Y: torch.Tensor | None, symmetric: bool = False) -> torch.Tensor:
         """``(1/T) sum_t (x_t^T Y x_t) delta_t delta_t^T`` (``n x n``); ``Y=None`` means ``I_m``."""
-        t0 = time.perf_counter()
-        T, n, m = self.k, self.n, self.m
-        if Y is None:
-            v = (self.X * self.X).sum(1)  # (T,): |x_t|^2
-            flops = 2 * T * m
-        else:
-            v = ((self.X @ Y.to(self.device, self.dtype)) * self.X).sum(1)  # (T,): x_t^T Y x_t
-            flops = 2 * T * m * m + 2 * T * m
-        out = self._weighted_gram(self.D, v)
-        self._count(t0, flops + 2 * T * n * n)
-        return out
+        return self._product(self.X, self.D, Y)
 
     def fisher_norm_sq(self, block: int = 2048) -> float:
         """``||F||_F^2 = (1/T^2) sum_{t,s} (x_t . x_s)^2 (delta_t . delta_s)^2``, in blocks of ``block`` tokens."""

@@ -187,20 +187,17 @@ def decompose(W, left=None, right=None, *, dtype: torch.dtype = torch.float64, n
         LA = LA.to(W.device)
     Wt = transform(W, LB, LA)  # (n, m): L_B^T W L_A
     U, S, Vh = torch.linalg.svd(Wt, full_matrices=False)  # (n, q), (q,), (q, m)
-    V = Vh.T  # (m, q)
-    if LB is None:
-        P = U
-    elif LB.ndim == 1:
-        P = U / LB[:, None]
-    else:
-        P = _solve_upper_T(LB, U)  # L_B^{-T} U
-    if LA is None:
-        Q = V
-    elif LA.ndim == 1:
-        Q = V / LA[:, None]
-    else:
-        Q = _solve_upper_T(LA, V)  # L_A^{-T} V
+    P, Q = _inv_T(LB, U), _inv_T(LA, Vh.T)  # (n, q): L_B^{-T} U, (m, q): L_A^{-T} V
     return Decomposition(P, S, Q, out_dtype, alpha_A=alpha_A, alpha_B=alpha_B)
+
+
+def _inv_T(Lw: torch.Tensor | None, X: torch.Tensor) -> torch.Tensor:
+    """``Lw^{-T} X`` for a weight ``Lw``: ``None`` (identity), a vector (diagonal) or a matrix."""
+    if Lw is None:
+        return X
+    if Lw.ndim == 1:
+        return X / Lw[:, None]
+    return _solve_upper_T(Lw, X)
 
 
 def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = torch.float64,
@@ -229,8 +226,7 @@ def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = to
     W = as_tensor(W, name)
     check_matrix(W, name)
     check_rank(rank, *W.shape, name)
-    f = decompose(W, left, right, dtype=dtype, name=name).factors(rank, name)
-    return Factors(f[0], f[1])
+    return decompose(W, left, right, dtype=dtype, name=name).factors(rank, name)
 
 
 def cholesky_weight(F, size: int, name: str, alpha=None, method: str = "diag",
