@@ -107,13 +107,18 @@ def layer_statistics(stats: CalibrationStats | None, method: str, name: str, mff
     if "kfac" in row.needs:
         given["kfac"] = stats.kfac(name)
     if row.kronecker:
-        opts = dict(mff_options or {})
-        device = opts.pop("device", device)  # the CLI's --device travels in mff_options
-        res = stats.kronecker(name, device=device, **opts)
+        res = _kronecker(stats, name, mff_options, device)
         given["A"], given["B"] = res["A"], res["B"]  # (m, m), (n, n)
         if info is not None:
             info.update({k: res[k] for k in ("fisher_share", "matvecs", "converged")})
     return given
+
+
+def _kronecker(stats: CalibrationStats, name: str, mff_options: dict | None, device=None) -> dict:
+    """``stats.kronecker`` of layer ``name``; a ``device`` inside ``mff_options`` (the CLI's ``--device``) wins."""
+    opts = dict(mff_options or {})
+    device = opts.pop("device", device)
+    return stats.kronecker(name, device=device, **opts)
 
 
 class Decompositions:
@@ -175,9 +180,7 @@ def _decomposition(cache: Decompositions | None, module, method, stats, name, **
 def _metric(stats: CalibrationStats, name: str, mff_options: dict | None, device=None):
     """The Kronecker Fisher ``(A, B)`` of a layer: MFF's when gradients were collected, else K-FAC's."""
     if "grads" in stats.stats:
-        opts = dict(mff_options or {})
-        device = opts.pop("device", device)
-        res = stats.kronecker(name, device=device, **opts)
+        res = _kronecker(stats, name, mff_options, device)
         return res["A"], res["B"], "mff"
     if "kfac" in stats.stats:
         kf = stats.kfac(name)
@@ -286,6 +289,7 @@ class PrefixReplay:
         self.batches = list(batches)
         self.outputs: list[list] = []
         self.enabled = False
+        self.base: float | None = None  # the dense mean loss, once recorded
         found = _block_list(model, names)
         if found is None:
             return
@@ -377,10 +381,11 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
     was_training = model.training
     model.eval()
     try:
-        if "base" not in state:
-            state["base"] = mean_loss(model, heldout, loss_fn)
-            state["evaluations"] += 1
         replay = PrefixReplay(model, todo, heldout, loss_fn) if todo else None
+        if "base" not in state:  # the replay recorded the dense losses already, where it could
+            base = replay.base if replay is not None else None
+            state["base"] = base if base is not None else mean_loss(model, heldout, loss_fn)
+            state["evaluations"] += 1
         bar = tqdm(total=len(todo) * len(ratios), desc=f"sensitivity ({method})", disable=not progress)
         for name in todo:
             lin = mods[name]
