@@ -30,6 +30,7 @@ import sys
 from ..core.conventions import FisherkronError
 from ..core.lowrank import compression_ratio, lowrank_params
 from ..core.methods import METHODS
+from ..core.operators import ENCODINGS
 from ..core.regularization import MIN_ALPHA
 from . import options as opt
 
@@ -205,10 +206,13 @@ def _run(args) -> int:
 def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names=None, launch=None) -> int:
     """Step 4, the expensive part: data, perplexity before, calibration, (MFF over the ranks,) compression, saving."""
     progress = not args.quiet
+    allocation_options = None
     if s["task"] == "causal-lm":
         docs = api.c4_documents()
-        if args.allocation == "sensitivity":  # the sweep's held-out documents stay out of the calibration
-            docs = docs[:-HELDOUT_DOCS]
+        if args.allocation == "sensitivity":  # the sweep measures on documents the calibration does not see
+            docs, held = docs[:-HELDOUT_DOCS], docs[-HELDOUT_DOCS:]
+            allocation_options = {"heldout": api.lm_batches(tok, held, 1, batch_size=args.batch_size,
+                                                            seq_len=seq_len, seed=args.seed + 1)}
         batches = api.lm_batches(tok, docs, args.k, batch_size=args.batch_size,
                                  seq_len=seq_len, seed=args.seed)
     else:
@@ -228,12 +232,6 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
                                         cache_dir=args.cache_dir, progress=progress,
                                         grad_dtype=args.grad_dtype, granularity=args.granularity,
                                         group=None if launch is None else launch.group)
-    allocation_options = None
-    if args.allocation == "sensitivity":  # held-out C4 batches: other documents than the calibration's
-        docs = api.c4_documents()
-        held = docs[-HELDOUT_DOCS:]
-        allocation_options = {"heldout": api.lm_batches(tok, held, 1, batch_size=args.batch_size,
-                                                        seq_len=seq_len, seed=args.seed + 1)}
     mff_options = {}
     if args.device is not None and launch is None:
         mff_options["device"] = args.device
@@ -296,7 +294,7 @@ def add_compress_command(sub, verbosity_options) -> None:
                         "default); ASVD's measured sensitivity on held-out C4 batches, the paper's protocol "
                         "(sensitivity; the last %d C4 documents are held out of the calibration); or Theorem 1's "
                         "predicted loss increase, no model evaluation (fisher)" % HELDOUT_DOCS)
-    c.add_argument("--grad-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    c.add_argument("--grad-dtype", choices=list(ENCODINGS), default="float32",
                    help="how calibration gradients are stored (16-bit: half the disk)")
     c.add_argument("--granularity", choices=("batch", "sequence", "token"), default="batch",
                    help="what one gradient of the empirical Fisher is: a batch's (the paper's, default), "
