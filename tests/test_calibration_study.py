@@ -1,0 +1,34 @@
+"""The calibration-at-scale study's helpers (experiments.calibration_study) against dense float64 references."""
+import pytest
+import torch
+
+from fisherkron.experiments import calibration_study as cs
+
+
+def _spd(d: int, seed: int) -> torch.Tensor:
+    X = torch.randn(d + 3, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return X.T @ X / (d + 3)
+
+
+@pytest.mark.parametrize("m,n", [(5, 3), (3, 6), (4, 4)])
+def test_kron_rel_error_equals_the_dense_kronecker_difference(m, n):
+    A0, B0 = _spd(m, 1), _spd(n, 2)
+    A, B = A0 + 0.05 * _spd(m, 3), 1.7 * B0 - 0.1 * _spd(n, 4)  # a scale moved between the sides is no error
+    ref = torch.linalg.norm(torch.kron(A, B) - torch.kron(A0, B0)) / torch.linalg.norm(torch.kron(A0, B0))
+    assert cs.kron_rel_error(A, B, A0, B0) == pytest.approx(float(ref), rel=1e-9)
+    # the same Kronecker product written with the scale moved between its factors is no error at all
+    assert cs.kron_rel_error(3.0 * A0, B0 / 3.0, A0, B0) == pytest.approx(0.0, abs=1e-7)
+    # float32 inputs are promoted: the result is the float64 one up to the inputs' rounding
+    got32 = cs.kron_rel_error(A.float(), B.float(), A0.float(), B0.float())
+    assert got32 == pytest.approx(float(ref), rel=1e-4)
+
+
+def test_product_flops_follow_the_granularity():
+    class Stats:
+        k, granularity = 4, "batch"
+        layers = {"w": {"n": 6, "m": 5, "tokens": 40}}
+
+    s = Stats()
+    assert cs._product_flops(s, "w") == 2 * 4 * 6 * 5 * (6 + 5)  # k products G_i Z G_i^T
+    s.granularity = "token"
+    assert cs._product_flops(s, "w") == 2 * 40 * (6 * 6 + 5 * 5)  # D Z D^T row sums, then X^T diag X
