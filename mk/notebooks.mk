@@ -93,17 +93,13 @@ tab_throughput: ## Tabs. flops_comparison, throughput_fwsvd, throughput_forward 
 
 # Calibration at scale on SmolLM2: cost and quality against k and granularity (issue "calibration at the paper's scale").
 $(eval $(call notebook,fig_calibration,$(call fig,fig_calibration) $(call tab,tab_calibration tab_calibration_cost) $(FIGDIR)/fig_calibration_summary.provenance.json,$(HF_SRC) $(EXP)/calibration_study.py))
-fig_calibration: ## calibration at scale: GFWSVD / KFAC-SVD / SVD-LLM against k and granularity, cost against the 15-min target (about 80 min)
+fig_calibration: ## calibration at scale: GFWSVD / KFAC-SVD / SVD-LLM against k and granularity, cost against the 15-min target (61 min cold)
 
 # Encoder compression (Sec. 6.2): MiniLM fine-tuned per task and seed, its FFN layers compressed by rank.
 $(eval $(call notebook,tab_glue_results,$(call tab,tab_glue_results tab_glue_extended) $(call fig,fig_bert_glue_avg) $(FIGDIR)/tab_glue_results_summary.provenance.json,$(HF_SRC) $(EXP)/glue.py $(EXP)/glue_summary.py))
 tab_glue_results: ## Tab. glue_results + Tab. glue_extended + Fig. bert_glue_avg (Sec. 6.2): fine-tune MiniLM per task, compress its FFN layers by rank (about 100 min cold)
 # About 100 minutes on 2 cores from a cold cache (measured; the estimate is in
 # notebooks/params/tab_glue_results.default.yaml), 32 s from a complete one.
-# fig_calibration is kept out of `make all` until its outputs are committed; `make smoke` runs it.
-ifneq ($(PROFILE),smoke)
-NOTEBOOKS := $(filter-out fig_calibration,$(NOTEBOOKS))
-endif
 
 # -- aggregate targets ----------------------------------------------------------
 # Second expansion: `all` sees the notebooks that mk/*.mk files read after this one add.
