@@ -219,10 +219,9 @@ titles = {"best": "GFWSVD has the best macro average at each rank",
 lines = [f"* **{titles[key]}: {v[key]['verdict']}.** {v[key]['text']}" for key in titles]
 lines.append(f"* (extra) with SVD-LLM among the rivals, GFWSVD is best or tied at "
              f"{with_llm.get('ranks_ok', 0)} of {len(ranks)} ranks.")
-# The tasks the uncompressed model learned (more than 0.05 above the majority class): the verdicts again on them
+# The tasks the uncompressed model learned (at least 0.05 above the majority class, `gs.learned_tasks`): the verdicts again on them
 # alone, since a task at the floor before compression adds only noise to the macro average.
-dense_by_task = df[df.method == "dense"].groupby("task")[["metric", "trivial"]].mean()
-learned = [t for t in tasks if dense_by_task.loc[t, "metric"] > dense_by_task.loc[t, "trivial"] + 0.05]
+learned = [t for t in tasks if t in gs.learned_tasks(df)]
 unlearned = [gs.TASK_NAMES.get(t, t) for t in tasks if t not in learned]
 v_learned = {}
 if unlearned and len(learned) >= 1:

@@ -252,6 +252,19 @@ def test_verdicts_on_known_answers():
     assert part["best"]["verdict"] == gs.PART and part["best"]["ranks_ok"] == 2
 
 
+def test_learned_tasks_are_those_the_dense_model_lifts_off_the_majority_class():
+    from fisherkron.experiments import glue_summary as gs
+
+    rows = synthetic_rows()
+    assert gs.learned_tasks(gs.frame(rows)) == ["rte", "sst2"]
+    # RTE's dense model at the majority class (+0.04 < 0.05): not learned, and not judged for an ASVD collapse
+    flat = [{**r, "metric": 0.54 + (r["metric"] - 0.70)} if r["task"] == "rte" and r["method"] == "dense" else r
+            for r in rows]
+    assert gs.learned_tasks(gs.frame(flat)) == ["sst2"]
+    assert gs.learned_tasks(gs.frame(flat), min_margin=0.03) == ["rte", "sst2"]
+    assert gs.verdicts(gs.frame(flat), [10, 5, 1], n_low=1, n_high=1, aggressive=1)["asvd"]["collapsed"] == []
+
+
 def test_tables_have_one_column_per_rank_and_task():
     from fisherkron.experiments import glue_summary as gs
 

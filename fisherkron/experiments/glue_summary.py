@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pandas as pd
 
-__all__ = ["NAMES", "frame", "macro", "mean_sd", "fmt", "paired_lead", "results_table", "extended_table",
+__all__ = ["NAMES", "frame", "macro", "learned_tasks", "mean_sd", "fmt", "paired_lead", "results_table", "extended_table",
            "normalised", "verdicts", "HOLDS", "PART", "NOT"]
 
 NAMES = {"dense": "uncompressed", "svd": "SVD", "asvd": "ASVD", "fwsvd": "FWSVD", "gfwsvd": "GFWSVD",
@@ -131,6 +131,13 @@ def normalised(df: pd.DataFrame) -> pd.DataFrame:
     return mean
 
 
+def learned_tasks(df: pd.DataFrame, min_margin: float = 0.05) -> list[str]:
+    """The tasks whose uncompressed model beats the majority class by at least ``min_margin`` (the others
+    cannot show what compression loses)."""
+    s = normalised(df)
+    return sorted(set(s.loc[s["margin"] >= min_margin, "task"]))
+
+
 def _grade(ok: int, total: int) -> str:
     return HOLDS if total and ok == total else PART if ok else NOT
 
@@ -194,7 +201,7 @@ def verdicts(df: pd.DataFrame, ranks, *, ours: str = "gfwsvd", rivals=("svd", "a
         out["asvd"] = {"verdict": "not judged", "collapsed": [], "wins": [], "text": "ASVD was not run"}
         return out
     s = normalised(df)
-    s = s[s["margin"] >= min_margin]
+    s = s[s["task"].isin(learned_tasks(df, min_margin))]
     others = [x for x in (*rivals, ours) if x != "asvd"]
     collapsed = []
     for task, g in s.groupby("task"):
