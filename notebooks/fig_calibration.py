@@ -75,7 +75,6 @@ target_ram_gb = 12.0
 target_disk_gb = 8.0
 
 # %%
-import json
 import time
 
 import matplotlib.pyplot as plt
@@ -266,7 +265,7 @@ for ratio in ratios:
     lines.append(f"* **Granularity at {100 * ratio:g} %** (the tokens of k = {granularity_k} batches): "
                  + ", ".join(f"per {g} {v:.0f}" for g, v in cand.items()) + f"; best: per {best}.")
 e2e = cost[cs.setting_name(end2end_k, "batch", grad_dtype)]
-for label, r in ((f"all three methods' statistics, MFF from K-FAC", e2e),
+for label, r in (("all three methods' statistics, MFF from K-FAC", e2e),
                  ("GFWSVD's default: gradients only, MFF from the identity", e2e_default)):
     m = r.get("mff_kfac") or r.get("mff_identity")
     total_min = (r["collect_seconds"] + m["seconds"] + r.get("compress_seconds", 0)) / 60

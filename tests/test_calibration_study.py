@@ -32,3 +32,16 @@ def test_product_flops_follow_the_granularity():
     assert cs._product_flops(s, "w") == 2 * 4 * 6 * 5 * (6 + 5)  # k products G_i Z G_i^T
     s.granularity = "token"
     assert cs._product_flops(s, "w") == 2 * 40 * (6 * 6 + 5 * 5)  # D Z D^T row sums, then X^T diag X
+
+
+def test_gradient_count_is_the_tokens_for_token_granularity():
+    class Stats:
+        k, granularity = 4, "batch"
+        layers = {"a": {"tokens": 40}, "b": {"tokens": 40}}
+
+    s = Stats()
+    assert cs.gradient_count(s) == 4
+    s.granularity = "sequence"  # stats.k already counts the sequences
+    assert cs.gradient_count(s) == 4
+    s.granularity = "token"  # stats.k counts the batches; every kept token is one gradient
+    assert cs.gradient_count(s) == 40

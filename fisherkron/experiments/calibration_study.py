@@ -32,7 +32,6 @@ import copy
 import hashlib
 import json
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,8 @@ import torch
 
 from ..env import atomic_write, data_root
 
-__all__ = ["Study", "prepare", "measure", "run_case", "encoding_error", "kron_rel_error", "CODE_VERSION"]
+__all__ = ["Study", "prepare", "measure", "stats_of", "run_case", "gradient_count", "encoding_error", "kron_rel_error",
+           "CODE_VERSION"]
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "calibration-study-1"
@@ -127,6 +127,24 @@ def _batches(tok, protocol: dict, k: int):
                          seed=protocol["seed"])
 
 
+def _collect(model, batches, protocol: dict, stats, *, granularity: str, grad_dtype: str, cache_dir=None,
+             progress: bool = False):
+    """:func:`fisherkron.collect_calibration` of the protocol's ``batches`` (cached)."""
+    from .. import hf
+
+    return hf.collect_calibration(model, batches, protocol["layers"], seed=protocol["seed"],
+                                  stats=stats, grad_dtype=grad_dtype, granularity=granularity,
+                                  cache_dir=cache_dir, progress=progress)
+
+
+def gradient_count(stats) -> int:
+    """The gradients of Eq. (8) behind ``stats``: batches or sequences, or every kept token for
+    ``granularity="token"`` (``stats.k`` counts the batches there)."""
+    if stats.granularity == "token":
+        return next(iter(stats.layers.values()))["tokens"]
+    return stats.k
+
+
 def _stats_for(methods) -> tuple[str, ...]:
     from ..hf.calibration import METHOD_STATS, STATS
 
@@ -162,13 +180,11 @@ def child(spec: dict) -> dict:
     model, tok = hf.load_model(spec["model_name"])
     batches = _batches(tok, spec["protocol"], spec["k"])
     stats_kinds = tuple(spec["stats"])
-    cache_dir = spec.get("cache_dir")
     t = time.perf_counter()
-    st = hf.collect_calibration(model, batches, spec["protocol"]["layers"], seed=spec["protocol"]["seed"],
-                                stats=stats_kinds, grad_dtype=spec["grad_dtype"], granularity=spec["granularity"],
-                                cache_dir=cache_dir, progress=spec.get("progress", False))
+    st = _collect(model, batches, spec["protocol"], stats_kinds, granularity=spec["granularity"],
+                  grad_dtype=spec["grad_dtype"], cache_dir=spec.get("cache_dir"), progress=spec.get("progress", False))
     rec = {"setting": spec["setting"], "key": st.key, "k": spec["k"], "granularity": spec["granularity"],
-           "grad_dtype": spec["grad_dtype"], "gradients": st.k, "stats": list(stats_kinds),
+           "grad_dtype": spec["grad_dtype"], "gradients": gradient_count(st), "stats": list(stats_kinds),
            "collected_now": not st.from_cache, "collect_seconds": time.perf_counter() - t,
            "tokens": sum(int(b["attention_mask"].sum()) for b in batches), "layers": len(st.layers),
            "threads": torch.get_num_threads()}
@@ -202,9 +218,8 @@ def child(spec: dict) -> dict:
 
 
 def _run_child(spec: dict) -> dict:
-    env = dict(os.environ)
     proc = subprocess.run([sys.executable, "-m", "fisherkron.experiments.calibration_study", "--child",
-                           json.dumps(spec)], capture_output=True, text=True, env=env)
+                           json.dumps(spec)], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise RuntimeError(f"cost measurement {spec['setting']} failed (exit {proc.returncode}); its stderr is above")
@@ -234,12 +249,8 @@ def measure(study: Study, k: int, *, granularity: str = "batch", grad_dtype: str
 def stats_of(study: Study, k: int, granularity: str = "batch", grad_dtype: str = "bfloat16",
              methods=("gfwsvd", "kfac_svd", "svd_llm")):
     """The calibration statistics of one setting (from the cache that :func:`measure` filled)."""
-    from .. import hf
-
-    batches = _batches(study.tokenizer, study.protocol, k)
-    return hf.collect_calibration(study.model, batches, study.protocol["layers"], seed=study.protocol["seed"],
-                                  stats=_stats_for(methods), grad_dtype=grad_dtype,
-                                  granularity=granularity)
+    return _collect(study.model, _batches(study.tokenizer, study.protocol, k), study.protocol, _stats_for(methods),
+                    granularity=granularity, grad_dtype=grad_dtype)
 
 
 @torch.no_grad()
@@ -266,7 +277,7 @@ def run_case(study: Study, stats, method: str, ratio: float, *, k: int, setting:
                        mff_options={"tol": study.protocol["mff_tol"]},
                        decompositions=study.decompositions_of(stats.key, method))
         row = {"setting": setting, "k": k,
-               "granularity": stats.granularity, "gradients": stats.k, "method": method, "target_ratio": ratio,
+               "granularity": stats.granularity, "gradients": gradient_count(stats), "method": method, "target_ratio": ratio,
                "ratio": rep.ratio, "compress_seconds": time.perf_counter() - t,
                "dense_layers": sum(lr.skipped is not None for lr in rep.layers.values())}
         row.update(_score(study, model))
