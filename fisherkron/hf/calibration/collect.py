@@ -1,0 +1,295 @@
+"""``collect_calibration``: the public entry point, its cache, and the one-process collection into a folder.
+
+The arguments are checked first, then the key is computed (:mod:`.keys`); a valid entry
+is returned as it is (:mod:`.entry`), an interrupted one resumed (:mod:`.resume`), and
+otherwise the batches are run (:mod:`.accumulate`) here or over a process group (:mod:`.ranks`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...core.checks import check_int, check_positive
+from ...core.conventions import FisherkronError
+from ...core.distributed import resolve_group
+from ...env import data_root, sigterm_as_interrupt, temporary_name
+from .accumulate import accumulate, save_statistics
+from .entry import GRANULARITIES, METHOD_STATS, STATS, CalibrationStats, read_manifest, write_manifest
+from .keys import calibration_key
+from .layers import select_layers
+from .ranks import collect_on_ranks
+from .resume import PARTIAL_SUFFIX, Checkpoint, deferred_interrupts, note_other_partials, open_rows, owned, reclaim
+
+__all__ = ["collect_calibration", "split_sequences", "default_loss"]
+
+log = logging.getLogger(__name__)
+
+
+def split_sequences(batches) -> list[dict]:
+    """Each batch of ``B`` sequences as ``B`` batches of one (tensors split along dim 0; other values shared)."""
+    out = []
+    for b in batches:
+        if not isinstance(b, dict):
+            raise FisherkronError("granularity='sequence' needs batches that are dicts of tensors")
+        sizes = {v.shape[0] for v in b.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        if len(sizes) != 1:
+            raise FisherkronError(f"cannot split a batch into sequences: its tensors have first dimensions "
+                                  f"{sorted(sizes)}")
+        B = sizes.pop()
+        out += [{key: v[j:j + 1] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for key, v in b.items()}
+                for j in range(B)]
+    return out
+
+
+def default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    out = model(**batch)
+    if getattr(out, "loss", None) is None:
+        raise FisherkronError("the model returned no loss; put 'labels' in the batches or pass loss_fn")
+    return out.loss
+
+
+
+def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None = None, seed: int = 0,
+                        stats=None, methods=None, loss_fn=None, loss_name: str | None = None,
+                        cache: bool = True, cache_dir=None, grad_dtype: str = "float32",
+                        granularity: str = "batch", checkpoint_seconds: float = 300.0,
+                        verify_cache: bool = True, progress: bool = False, group=None) -> CalibrationStats:
+    r"""Per-batch gradients ``G_i`` and baseline statistics of the selected linear layers.
+
+    Eq. (8): ``I_F = (1/k) sum_i vec(G_i) vec(G_i)^T`` with ``G_i = dL_i/dW`` the
+    gradient of the mean loss of batch ``i`` (one gradient per batch, the
+    paper's protocol). See the module docstring for the other statistics.
+
+    Args:
+        model: a module whose ``loss_fn(model, batch)`` is a scalar loss
+            (default: ``model(**batch).loss``).
+        batches: list of dicts of tensors (e.g. from :func:`fisherkron.lm_batches`).
+        layers: regex/glob pattern(s) of ``nn.Linear`` names; ``None`` = the paper's layers.
+        k: use the first ``k`` batches (default: all).
+        seed: recorded in the cache key (the seed that drew the batches).
+        stats: subset of ``("grads", "diag_fisher", "abs_mean", "xxt", "kfac")``; default:
+            what ``methods`` need, or all of them.
+        methods: compression methods to collect for (see ``METHOD_STATS``), e.g. ``("gfwsvd",)``.
+        loss_fn: ``loss_fn(model, batch) -> scalar``; default ``model(**batch).loss``. Its code,
+            captured values and arguments enter the cache key (:func:`loss_key`); one that
+            cannot be described (it captures an object with state) is refused when caching.
+        loss_name: a name unique to ``loss_fn``, used in the cache key instead of its description.
+        cache: reuse/write ``<cache_dir>/<key>``; ``cache_dir`` defaults to ``data/cache/calibration``.
+        verify_cache: check file checksums before reusing a cache entry.
+        grad_dtype: how the per-batch gradients are stored: ``"float32"`` (default),
+            ``"bfloat16"`` (the authors' choice; half the disk, relative rounding ``2^-8``) or
+            ``"float16"`` with a per-gradient scale (half the disk, rounding ``2^-11``); MFF
+            reads them back as float32 (:class:`~fisherkron.core.operators.StoredGradients`).
+        granularity: what one gradient of Eq. (8) is. ``"batch"`` (the paper's protocol): the
+            gradient of each batch's mean loss, ``k`` of them. ``"sequence"``: each batch is
+            split into its sequences and every sequence gives one gradient (``k x batch size``
+            of them, same tokens). ``"token"``: every kept token ``t`` gives the rank-one
+            ``G_t = delta_t x_t^T``; nothing ``n x m`` is stored, only the layer's inputs ``X``
+            (``T x m``) and output gradients ``D`` (``T x n``), and MFF runs on
+            :class:`~fisherkron.core.operators.TokenFisher`.
+        checkpoint_seconds: a cached collection is written into ``<key>.partial/`` and keeps
+            its progress there (the batches done and the sums so far) at least this often and
+            when it is interrupted (Ctrl-C or SIGTERM: the batch under way is finished first;
+            a second signal stops at once). Run the same call again and it resumes from the
+            last batch kept; the folder becomes the cache entry when the last batch is done.
+        progress: show a tqdm bar over batches.
+        group: a ``torch.distributed`` process group (or ``"auto"``: the default group when
+            one is initialised with more than one process; default ``None``: this process
+            alone). Every rank passes the same model and batches; batch ``i`` is run on rank
+            ``i % world``, which writes its gradients into rows ``i`` of the shared
+            ``<layer>.grads.npy``; the other statistics are summed over the ranks
+            (``all_reduce``), so every rank returns the global ones. The cache folder must
+            be on a filesystem every rank sees; the entry is the same as one process
+            writes (up to the round-off of the sums) and is reused by any world size.
+
+    Returns:
+        :class:`CalibrationStats` backed by files (with ``cache=False`` a private folder
+        under the cache root, deleted when the object is garbage-collected).
+    """
+    if stats is None and methods is not None:
+        methods = [methods] if isinstance(methods, str) else list(methods)
+        unknown = [m for m in methods if m not in METHOD_STATS]
+        if unknown:
+            raise FisherkronError(f"method {unknown[0]!r} is unknown; use one of {', '.join(METHOD_STATS)}")
+        stats = tuple(s for s in STATS if any(s in METHOD_STATS[m] for m in methods))
+    stats = tuple(STATS if stats is None else stats)
+    bad = [s for s in stats if s not in STATS]
+    if bad:
+        raise FisherkronError(f"unknown statistic {bad[0]!r}; choose from {', '.join(STATS)}")
+    from ...core.operators import ENCODINGS
+
+    if grad_dtype not in ENCODINGS:
+        raise FisherkronError(f"grad_dtype {grad_dtype!r} is unknown; use one of {', '.join(ENCODINGS)}")
+    if granularity not in GRANULARITIES:
+        raise FisherkronError(f"granularity {granularity!r} is unknown; use one of {', '.join(GRANULARITIES)}")
+    if granularity == "token" and grad_dtype != "float32":
+        raise FisherkronError("granularity='token' stores the layers' inputs and output gradients in float32; "
+                              "leave grad_dtype at 'float32'")
+    batches = list(batches)
+    if k is not None:
+        check_int(k, "k", minimum=1)
+        if k > len(batches):
+            raise FisherkronError(f"k={k} exceeds the {len(batches)} batches given")
+        batches = batches[:k]
+    if granularity == "sequence":
+        batches = split_sequences(batches)
+    k = len(batches)
+    if k == 0:
+        raise FisherkronError("no calibration batches were given")
+    names = select_layers(model, layers)
+    modules = dict(model.named_modules())
+    shapes = {n: (modules[n].out_features, modules[n].in_features) for n in names}
+
+    config, key = calibration_key(model, batches, names, k=k, seed=seed, stats=stats, grad_dtype=grad_dtype,
+                                  granularity=granularity, loss_fn=loss_fn, loss_name=loss_name, cache=cache)
+
+    root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "calibration"
+    final = root / key
+    group = resolve_group(group)
+    if group is not None and (grad_dtype != "float32" or granularity == "token"):
+        raise FisherkronError("over a process group the gradients are stored per batch in float32; "
+                              "grad_dtype and granularity='token' are single-process options for now")
+    if group is not None:
+        return collect_on_ranks(model, batches, names, modules, shapes, stats, loss_fn or default_loss, progress,
+                                 key=key, config=config, root=root, final=final, cache=cache,
+                                 verify_cache=verify_cache, group=group)
+    reclaim(root)
+    if cache:
+        man = read_manifest(final, key, verify_cache)
+        if man is not None:
+            return CalibrationStats(final, man["layers"], man["k"], key, man["config"],
+                                    tuple(man["config"]["stats"]), from_cache=True)
+        if final.exists():
+            shutil.rmtree(final)
+    root.mkdir(parents=True, exist_ok=True)
+
+    def write(folder: Path, checkpoint: "Checkpoint | None" = None) -> dict:
+        """Collect into ``folder`` and write its manifest; returns the per-layer info."""
+        tokens = _collect(model, batches, names, modules, shapes, stats, loss_fn or default_loss,
+                          folder, progress, grad_dtype=grad_dtype, granularity=granularity, checkpoint=checkpoint)
+        return write_manifest(folder, key, config, k, names, shapes, modules, tokens, world_size=1)
+
+    if not cache:  # a private folder, removed when the returned object is garbage-collected
+        tmp = Path(tempfile.mkdtemp(prefix=temporary_name(f"private-{key[:8]}"), dir=root))
+        try:
+            with sigterm_as_interrupt():
+                layer_info = write(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        out = CalibrationStats(tmp, layer_info, k, key, config, stats, from_cache=False)
+        weakref.finalize(out, shutil.rmtree, str(tmp), True)
+        return out
+    check_positive(checkpoint_seconds, "checkpoint_seconds")
+    partial = root / f"{key}{PARTIAL_SUFFIX}"
+    note_other_partials(root, partial)
+    with owned(partial), deferred_interrupts() as signals:
+        try:
+            layer_info = write(partial, Checkpoint(partial, key, checkpoint_seconds, signals))
+        except FisherkronError:  # bad data or a bad argument: nothing of it is kept
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        (partial / Checkpoint.FILE).unlink(missing_ok=True)
+        os.replace(partial, final)  # one rename: the entry appears whole
+    return CalibrationStats(final, layer_info, k, key, config, stats, from_cache=False)
+
+
+def _token_count(batches) -> int:
+    """Tokens the activation hooks will see over ``batches`` (those kept by the attention mask)."""
+    total = 0
+    for b in batches:
+        mask = b.get("attention_mask") if isinstance(b, dict) else None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            total += int(mask.bool().sum())
+        else:
+            ids = b.get("input_ids") if isinstance(b, dict) else None
+            if not isinstance(ids, torch.Tensor):
+                raise FisherkronError("granularity='token' needs batches with input_ids (or an attention_mask)")
+            total += ids.numel()
+    return total
+
+
+def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, progress: bool,
+             grad_dtype: str = "float32", granularity: str = "batch", checkpoint: Checkpoint | None = None):
+    """One forward + backward per batch; returns the token count per layer.
+
+    ``grad_dtype``: how the gradients are stored (:class:`~fisherkron.core.operators.StoredGradients`);
+    ``granularity="token"`` stores each layer's inputs ``X`` and output gradients ``D`` instead.
+    ``checkpoint``: resume from the batches an interrupted run kept, and keep progress.
+    """
+    from ...core.operators import ENCODINGS, encode_gradient
+
+    k = len(batches)
+    resumed = checkpoint.load() if checkpoint is not None else None
+    done, acc0, tokens0 = resumed if resumed is not None else (0, None, None)
+    if resumed is not None:
+        log.warning("resuming the calibration in %s at batch %d of %d", out, done, k)
+    grads_mm, scales, rows_mm, offset = {}, {}, {}, {}
+    if "grads" in stats and granularity == "token":
+        T = _token_count(batches)
+        for n in names:
+            rows_mm[("X", n)] = open_rows(out / f"{n}.X.npy", np.float32, (T, shapes[n][1]), done > 0)  # (T, m)
+            rows_mm[("D", n)] = open_rows(out / f"{n}.D.npy", np.float32, (T, shapes[n][0]), done > 0)  # (T, n)
+            offset[("X", n)] = offset[("D", n)] = tokens0[n] if tokens0 else 0
+    elif "grads" in stats:
+        for n in names:
+            grads_mm[n] = open_rows(out / f"{n}.grads.npy", ENCODINGS[grad_dtype], (k, *shapes[n]), done > 0)
+            scales[n] = np.ones(k)
+            if done > 0 and grad_dtype == "float16":
+                scales[n][:done] = np.load(out / f"{n}.grad_scales.partial.npy")[:done]
+
+    def store(n: str, i: int, G: torch.Tensor) -> None:
+        if n in grads_mm:
+            grads_mm[n][i], scales[n][i] = encode_gradient(G, grad_dtype)  # (n, m) into row i
+
+    def store_rows(kind: str, n: str, r: torch.Tensor) -> None:
+        mm, at = rows_mm[(kind, n)], offset[(kind, n)]
+        if at + r.shape[0] > mm.shape[0]:
+            raise FisherkronError(f"layer {n} saw more tokens than the batches' attention masks count; "
+                                  f"granularity='token' needs one row per kept token")
+        mm[at:at + r.shape[0]] = r.cpu().numpy()
+        offset[(kind, n)] = at + r.shape[0]
+
+    def flush() -> None:
+        for mm in list(grads_mm.values()) + list(rows_mm.values()):
+            mm.flush()
+        if grad_dtype == "float16":
+            for n, sc in scales.items():
+                np.save(out / f"{n}.grad_scales.partial.npy", sc)
+
+    def after_batch(i: int, acc, tokens) -> None:
+        if checkpoint is None or not checkpoint.due():
+            return
+        flush()
+        checkpoint.save(i + 1, acc, tokens)
+        if checkpoint.signals.pending is not None:
+            raise KeyboardInterrupt(f"calibration stopped after batch {i + 1} of {k}; its progress is kept in "
+                                    f"{out}: run the same call again to resume")
+
+    try:
+        acc, tokens = accumulate(model, batches, range(done, k), names, modules, stats, loss_fn, store, progress,
+                                  store_rows=store_rows if rows_mm else None, acc=acc0, tokens=tokens0,
+                                  after_batch=after_batch, total=k)
+    finally:
+        for mm in list(grads_mm.values()) + list(rows_mm.values()):
+            mm.flush()
+        grads_mm.clear()
+        rows_mm.clear()
+    short = [key for key, at in offset.items() if at != T] if offset else []
+    if short:
+        raise FisherkronError(f"layer {short[0][1]} saw {offset[short[0]]} of {T} tokens ({short[0][0]}); "
+                              f"granularity='token' needs every kept token")
+    if grad_dtype == "float16":
+        for n, sc in scales.items():
+            np.save(out / f"{n}.grad_scales.npy", sc)
+            (out / f"{n}.grad_scales.partial.npy").unlink(missing_ok=True)
+    save_statistics(acc, tokens, k, names, stats, out)
+    return tokens

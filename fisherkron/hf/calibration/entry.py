@@ -1,0 +1,245 @@
+"""A calibration cache entry: its manifest (what it holds, every file's size and checksum) and its reader.
+
+An entry is a folder ``<cache>/<key>/`` with one ``.npy`` per layer and statistic and a
+``manifest.json`` written last. :func:`read_manifest` accepts it only if the manifest's key
+matches and every listed file has its size (and, with ``verify``, its checksum);
+:class:`CalibrationStats` reads the arrays on request.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...core.conventions import FisherkronError
+from ...core.distributed import all_or_none, broadcast_int, rank_of, resolve_group, world_of
+from ...core.kfac import KFACFactors
+from ...core.methods import METHODS
+from ...env import atomic_write, file_checksum
+from .keys import layer_fingerprint
+
+__all__ = ["CalibrationStats", "STATS", "GRANULARITIES", "METHOD_STATS", "read_manifest", "write_manifest"]
+
+log = logging.getLogger(__name__)
+
+STATS = ("grads", "diag_fisher", "abs_mean", "xxt", "kfac")
+#: what one gradient of Eq. (8) is: a batch's (the paper's), a sequence's, or a token's (rank one)
+GRANULARITIES = ("batch", "sequence", "token")
+# what each compression method reads; K-FAC (the MFF warm start) and X X^T cost
+# about as much as the forward + backward pass itself, so collect only what is used
+METHOD_STATS = {**{name: m.needs for name, m in METHODS.items()}, "kfac": ("kfac",)}
+
+
+@dataclass
+class CalibrationStats:
+    """Per-layer statistics on disk (``dir``); arrays are loaded on request.
+
+    Attributes:
+        dir: cache folder holding ``manifest.json`` and one file per layer and statistic.
+        layers: ``{name: {"n": n, "m": m, "tokens": T}}``.
+        k: number of batches (= gradients per layer).
+        key: the cache key; ``config`` what it was computed from.
+        from_cache: whether this object was read from an existing cache entry.
+    """
+
+    dir: Path
+    layers: dict[str, dict]
+    k: int
+    key: str
+    config: dict
+    stats: tuple[str, ...]
+    from_cache: bool = False
+
+    def _file(self, name: str, stat: str) -> Path:
+        if name not in self.layers:
+            near = difflib.get_close_matches(name, list(self.layers), n=3, cutoff=0.0)
+            raise FisherkronError(f"layer {name} has no calibration statistics; nearest: {', '.join(near)}")
+        return self.dir / f"{name}.{stat}.npy"
+
+    def _need(self, stat: str) -> None:
+        have = set(self.stats) | ({"xxt"} if "kfac" in self.stats else set())
+        if stat not in have:
+            raise FisherkronError(f"statistic {stat!r} was not collected; pass stats including it "
+                                  f"to collect_calibration")
+
+    def grads_path(self, name: str) -> Path:
+        """``.npy`` file of the ``(k, n, m)`` per-batch gradients ``G_i`` (float32, or the ``grad_dtype``
+        encoding: read it through :meth:`gradients`; absent for ``granularity="token"``)."""
+        self._need("grads")
+        return self._file(name, "grads")
+
+    @property
+    def grad_dtype(self) -> str:
+        return self.config.get("grad_dtype", "float32")
+
+    @property
+    def granularity(self) -> str:
+        return self.config.get("granularity", "batch")
+
+    def grads(self, name: str) -> np.ndarray:
+        """Memory-mapped ``(k, n, m)`` float32 gradients ``G_i`` (see :meth:`gradients` for other encodings)."""
+        if self.grad_dtype != "float32" or self.granularity == "token":
+            raise FisherkronError(f"these gradients are stored as {self.grad_dtype} ({self.granularity}); "
+                                  f"read them with stats.gradients(name)")
+        return np.load(self.grads_path(name), mmap_mode="r")
+
+    def gradients(self, name: str):
+        """What :func:`fisherkron.mff` reads for layer ``name``: the stored gradients
+        (:class:`~fisherkron.core.operators.StoredGradients`), or for ``granularity="token"`` the
+        :class:`~fisherkron.core.operators.TokenFisher` of its inputs and output gradients."""
+        from ...core.operators import StoredGradients, TokenFisher
+
+        self._need("grads")
+        if self.granularity == "token":
+            return TokenFisher(self._load(name, "X"), self._load(name, "D"), name=name)
+        scales = tuple(float(x) for x in self._load(name, "grad_scales")) if self.grad_dtype == "float16" else None
+        return StoredGradients(str(self.grads_path(name)), self.grad_dtype, scales)
+
+    def _load(self, name: str, stat: str) -> torch.Tensor:
+        f = self._file(name, stat)
+        try:
+            return torch.from_numpy(np.load(f))
+        except (OSError, ValueError, EOFError) as exc:
+            raise FisherkronError(f"{f} is not a readable .npy array ({exc}); delete {self.dir} and "
+                                  f"collect the calibration again") from None
+
+    def check_weights(self, name: str, module: nn.Module) -> None:
+        """Raise if ``module`` is not the layer the statistics of ``name`` were collected on."""
+        want = self.layers.get(name, {}).get("weights")
+        if want is not None and layer_fingerprint(module) != want:
+            raise FisherkronError(f"the calibration statistics of layer {name} were collected on other weights "
+                                  f"(another model, or this one changed since); collect them for this model")
+
+    def diag_fisher(self, name: str) -> torch.Tensor:
+        """``E[G o G]`` (``n x m``): the diagonal empirical Fisher (FWSVD)."""
+        self._need("diag_fisher")
+        return self._load(name, "diag_fisher")
+
+    def input_abs_mean(self, name: str) -> torch.Tensor:
+        """``mean_t |x_t|`` (``m``), ASVD's activation scale."""
+        self._need("abs_mean")
+        return self._load(name, "abs_mean")
+
+    def xxt(self, name: str) -> torch.Tensor:
+        """``X X^T = sum_t x_t x_t^T`` (``m x m``, float64), SVD-LLM's whitening Gram matrix."""
+        self._need("xxt")
+        return self._load(name, "xxt")
+
+    def kronecker(self, name: str, *, init: str = "kfac", device=None, group=None, **mff_options) -> dict:
+        """MFF's ``A (x) B`` of layer ``name`` (Algorithm 1), computed once and kept beside the statistics.
+
+        ``init="kfac"`` starts from the layer's K-FAC factors when they were collected (else
+        from MFF's default start). The result (``A``, ``B``, ``fisher_share``, ``matvecs``,
+        ``converged``) is cached in ``<dir>/mff/`` under a key of the options, written
+        atomically and recomputed if it cannot be read.
+
+        ``group``: data-parallel MFF (see :func:`fisherkron.mff`): every rank of the process
+        group calls this; rank ``p`` reads the gradients of its batches ``i % world == p``,
+        every rank returns the same factors, and rank 0 writes them to the same cache file
+        as one process would (the group is not part of the key).
+        """
+        self._need("grads")
+        start = self.kfac(name) if init == "kfac" and "kfac" in self.stats else None
+        opts = {k: mff_options[k] for k in sorted(mff_options)}
+        tag = hashlib.blake2b(json.dumps([init if start is not None else "identity", opts], default=str)
+                              .encode(), digest_size=8).hexdigest()
+        f = self.dir / "mff" / f"{name}.{tag}.pt"
+        group = resolve_group(group)
+        if group is not None:
+            return self._kronecker_on_ranks(name, f, start, device, group, mff_options)
+        if f.exists():
+            try:
+                return torch.load(f, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - any unreadable cache file is recomputed
+                log.warning("cached MFF factors %s are unreadable (%s); recomputing", f, exc)
+        from ...core.factorization import mff
+
+        res = mff(self.gradients(name), init=start, device=device, name=name, **mff_options)
+        out = {"A": res.A.cpu(), "B": res.B.cpu(), "fisher_share": float(res.fisher_share),
+               "matvecs": int(res.matvecs), "converged": bool(res.converged)}
+        try:
+            atomic_write(f, lambda t: torch.save(out, t))
+        except OSError as exc:  # a read-only cache still works, only slower
+            log.warning("could not keep the MFF factors in %s (%s)", f.parent, exc)
+        return out
+
+    def _kronecker_on_ranks(self, name: str, f: Path, start, device, group, mff_options: dict) -> dict:
+        """:meth:`kronecker` over a process group: rank 0 decides whether ``f`` is reused, all ranks run MFF."""
+        from ...core.factorization import mff
+
+        rank, world = rank_of(group), world_of(group)
+        cached = None
+        if rank == 0 and f.exists():
+            try:
+                cached = torch.load(f, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - any unreadable cache file is recomputed
+                log.warning("cached MFF factors %s are unreadable (%s); recomputing", f, exc)
+        if broadcast_int(cached is not None, group):
+            with all_or_none(group, f"reading the MFF factors of {name}"):
+                out = cached if rank == 0 else torch.load(f, weights_only=True)
+            return out
+        local = None
+        if self.grad_dtype != "float32" or self.granularity == "token":
+            raise FisherkronError(f"data-parallel MFF reads float32 per-batch gradients; these are "
+                                  f"{self.grad_dtype} ({self.granularity}): run MFF in one process")
+        with all_or_none(group, f"reading the gradients of {name}"):
+            local = np.load(self.grads_path(name), mmap_mode="r")[rank::world]  # (k_p, n, m): this rank's batches
+        res = mff(local, init=start, device=device, name=name, group=group, **mff_options)
+        out = {"A": res.A.cpu(), "B": res.B.cpu(), "fisher_share": float(res.fisher_share),
+               "matvecs": int(res.matvecs), "converged": bool(res.converged)}
+        if rank == 0:
+            try:
+                atomic_write(f, lambda t: torch.save(out, t))
+            except OSError as exc:  # a read-only cache still works, only slower
+                log.warning("could not keep the MFF factors in %s (%s)", f.parent, exc)
+        return out
+
+    def kfac(self, name: str) -> KFACFactors:
+        """K-FAC ``A = X X^T / T`` (``m x m``) and ``B = (1/k) sum_t delta_t delta_t^T`` (``n x n``)."""
+        self._need("kfac")
+        A = self.xxt(name) / self.layers[name]["tokens"]
+        return KFACFactors(A, self._load(name, "ddt") / self.k)
+
+
+
+
+def read_manifest(path: Path, key: str, verify: bool) -> dict | None:
+    """The manifest of a valid cache entry, or ``None`` (missing, corrupt or mismatched)."""
+    mf = path / "manifest.json"
+    if not mf.exists():
+        return None
+    try:
+        man = json.loads(mf.read_text())
+        if man.get("key") != key:
+            log.warning("calibration cache %s belongs to another configuration; recomputing", path)
+            return None
+        for fname, meta in man["files"].items():
+            f = path / fname
+            if not f.exists() or f.stat().st_size != meta["size"]:
+                log.warning("calibration cache %s: %s is missing or truncated; recomputing", path, fname)
+                return None
+            if verify and file_checksum(f) != meta["hash"]:
+                log.warning("calibration cache %s: %s fails its checksum; recomputing", path, fname)
+                return None
+        return man
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("calibration cache %s is unreadable (%s); recomputing", path, err)
+        return None
+
+
+def write_manifest(folder: Path, key: str, config: dict, k: int, names, shapes, modules, tokens,
+                   world_size: int) -> dict:
+    """Checksum every ``.npy`` of ``folder`` and write ``manifest.json``; returns the per-layer info."""
+    files = {f.name: {"size": f.stat().st_size, "hash": file_checksum(f)} for f in sorted(folder.glob("*.npy"))}
+    info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n],
+                "weights": layer_fingerprint(modules[n])} for n in names}
+    man = {"key": key, "config": config, "k": k, "layers": info, "files": files, "world_size": world_size}
+    (folder / "manifest.json").write_text(json.dumps(man, indent=1))
+    return info

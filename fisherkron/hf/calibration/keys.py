@@ -1,0 +1,181 @@
+"""Fingerprints and cache keys: an entry is reused only for exactly what it was computed from.
+
+The key of a calibration entry covers the model (class, config, every parameter and buffer),
+the batches (every tensor, in order), the layers, ``k``, the seed, the statistics, the gradient
+encoding and granularity, the loss function (its code and everything it captures,
+:func:`loss_key`) and the code version (:func:`code_version`: a hash of this package's source).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...core.conventions import FisherkronError
+
+__all__ = ["CODE_VERSION", "model_fingerprint", "data_fingerprint", "layer_fingerprint", "loss_key", "code_version",
+           "calibration_key"]
+
+CODE_VERSION = "calibration-1"  # bump when the meaning of a cached file changes
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.numpy().tobytes()
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Hash of the model class, config and every parameter and buffer (weights decide the gradients)."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(type(model).__name__.encode())
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "to_json_string"):
+        h.update(cfg.to_json_string(use_diff=False).encode())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(_tensor_bytes(t))
+    return h.hexdigest()
+
+
+def data_fingerprint(batches) -> str:
+    """Hash of every tensor (and value) in every batch, in order."""
+    h = hashlib.blake2b(digest_size=20)
+    for b in batches:
+        for key in sorted(b):
+            v = b[key]
+            h.update(key.encode())
+            h.update(_tensor_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
+    return h.hexdigest()
+
+
+def layer_fingerprint(module: nn.Linear) -> str:
+    """Hash of one linear layer's weight and bias: statistics belong to exactly these weights."""
+    h = hashlib.blake2b(digest_size=12)
+    for t in (module.weight, module.bias):
+        if t is not None:
+            h.update(str(tuple(t.shape)).encode())
+            h.update(_tensor_bytes(t))
+    return h.hexdigest()
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+_LIBRARIES = {"torch", "transformers", "numpy", "scipy", "math", "operator", "functools", "builtins"}
+
+
+def _describe(value, depth: int = 0):
+    """A stable, hashable description of a value a loss function depends on, or raise TypeError."""
+    if depth > 6:
+        raise TypeError("nested too deeply")
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [type(value).__name__, [_describe(v, depth + 1) for v in value]]
+    if isinstance(value, dict):
+        return {str(k): _describe(v, depth + 1) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, torch.Tensor):
+        return ["tensor", str(value.dtype), list(value.shape),
+                hashlib.blake2b(_tensor_bytes(value), digest_size=12).hexdigest()]
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, type(functools)):  # a module
+        return ["module", value.__name__]
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)):
+        return loss_key(value, depth + 1)
+    raise TypeError(f"it depends on a {type(value).__name__}")
+
+
+def _code_description(code) -> list:
+    consts = [_code_description(c) if hasattr(c, "co_code") else _describe(c) for c in code.co_consts]
+    return [code.co_code.hex(), consts, list(code.co_names), list(code.co_varnames)]
+
+
+def loss_key(loss_fn, depth: int = 0):
+    """What determines ``loss_fn``'s result, for the cache key: its code, captured values and arguments.
+
+    Functions (lambdas and closures included) are described by their bytecode, constants,
+    default arguments, the values their closures capture and the global values they read;
+    ``functools.partial`` by its function and arguments; tensors by their contents. Raises
+    :class:`TypeError` when something it depends on cannot be described (e.g. a captured
+    model or an object with state), so that it is never cached under a wrong key.
+    """
+    if loss_fn is None:
+        return "model(**batch).loss"
+    if isinstance(loss_fn, types.MethodType):
+        return ["method", _describe(loss_fn.__self__, depth + 1), loss_key(loss_fn.__func__, depth + 1)]
+    if not isinstance(loss_fn, (types.FunctionType, types.BuiltinFunctionType, functools.partial)):
+        raise TypeError(f"it is a {type(loss_fn).__name__} object, whose state cannot be keyed")
+    root = (getattr(loss_fn, "__module__", None) or "").split(".")[0]
+    if root in _LIBRARIES:  # a library function: its name and the library's version determine it
+        import importlib.metadata as md
+        try:
+            version = md.version(root)
+        except md.PackageNotFoundError:
+            version = None
+        return ["library", loss_fn.__module__, getattr(loss_fn, "__qualname__", repr(loss_fn)), version]
+    if isinstance(loss_fn, functools.partial):
+        return ["partial", loss_key(loss_fn.func, depth + 1), _describe(list(loss_fn.args), depth + 1),
+                _describe(dict(loss_fn.keywords), depth + 1)]
+    code = getattr(loss_fn, "__code__", None)
+    if code is None:  # a builtin outside the known libraries
+        return ["builtin", getattr(loss_fn, "__module__", None), getattr(loss_fn, "__qualname__", None)]
+    cells = [_describe(c.cell_contents, depth + 1) for c in (loss_fn.__closure__ or ())]
+    glob = getattr(loss_fn, "__globals__", {})
+    used = {name: _describe(glob[name], depth + 1) for name in code.co_names
+            if name in glob and not isinstance(glob[name], type) and depth < 4}
+    return [loss_fn.__module__, loss_fn.__qualname__, _code_description(code),
+            _describe(list(loss_fn.__defaults__ or ()), depth + 1),
+            _describe(dict(loss_fn.__kwdefaults__ or {}), depth + 1), cells, used]
+
+
+def code_version() -> str:
+    """The package version, :data:`CODE_VERSION` and a hash of this package's source files.
+
+    Any edit to the calibration code changes every key: an entry is never read by code that
+    might mean something else by its files.
+    """
+    from ..._version import __version__
+
+    h = hashlib.blake2b(digest_size=8)
+    for src in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    return f"{__version__}/{CODE_VERSION}/{h.hexdigest()}"
+
+
+def calibration_key(model: nn.Module, batches, names: list[str], *, k: int, seed: int, stats, grad_dtype: str,
+                    granularity: str, loss_fn, loss_name: str | None, cache: bool) -> tuple[dict, str]:
+    """``(config, key)`` of a calibration: what it was computed from, and its hash (the entry's folder name).
+
+    ``loss_name`` stands for ``loss_fn`` when given; otherwise :func:`loss_key` describes it, and a
+    loss that cannot be described is refused when ``cache`` is on (it would be keyed wrongly).
+    """
+    if loss_name is not None:
+        described = ["named", str(loss_name)]
+    else:
+        try:
+            described = loss_key(loss_fn)
+        except TypeError as exc:
+            if cache:
+                raise FisherkronError(f"loss_fn {getattr(loss_fn, '__qualname__', loss_fn)!r} cannot be keyed for "
+                                      f"the calibration cache ({exc}); pass loss_name='a name unique to this "
+                                      f"loss' or cache=False") from None
+            described = None
+    loss_hash = hashlib.blake2b(json.dumps(described, sort_keys=True, default=str).encode(),
+                                digest_size=12).hexdigest()
+    config = {"model": model_fingerprint(model), "data": data_fingerprint(batches), "layers": names,
+              "k": k, "seed": seed, "stats": sorted(stats), "code": code_version(),
+              "grad_dtype": grad_dtype, "granularity": granularity,
+              "loss_fn": [getattr(loss_fn, "__qualname__", None), loss_hash]}
+    key = hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=16).hexdigest()
+    return config, key
