@@ -40,6 +40,7 @@ def _factorize(args) -> int:
     import torch
 
     from ..core.factorization import mff
+    from ..core.stored import gradient_file
     from ..env import atomic_write
 
     grads = Path(args.grads)
@@ -56,8 +57,11 @@ def _factorize(args) -> int:
         raise FisherkronError(f"--terms {args.terms} exceeds the rank bound min(n, m)^2="
                               f"{min(arr.shape[1:]) ** 2} of R(F) for gradients of shape {tuple(arr.shape)}")
     del arr
+    # float32/64 as is; a 16-bit file (float16 with its scales, bfloat16 bits) decoded through its calibration
+    # entry's manifest, or refused here, before --out is touched
+    source = gradient_file(grads, name=grads.stem)
     out = opt.check_out_file(args.out, overwrite=args.overwrite)
-    res = mff(str(grads), tol=args.tol, terms=args.terms,
+    res = mff(source, tol=args.tol, terms=args.terms,
               dtype=torch.float64 if args.float64 else torch.float32,
               device=args.device, memory_budget=int(args.memory_gb * (1 << 30)) if args.memory_gb else None,
               name=grads.stem)
@@ -87,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     _verbosity_options(p, top=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="{factorize,compress,evaluate}")
     f = sub.add_parser("factorize", help="MFF (Algorithm 1) on a (k, n, m) float32 .npy of per-batch gradients",
-                       description="MFF (Algorithm 1) on a (k, n, m) .npy file of per-batch gradients.")
+                       description="MFF (Algorithm 1) on a (k, n, m) .npy file of per-batch gradients: float32 or "
+                                   "float64, or a 16-bit <layer>.grads.npy inside its calibration entry (decoded "
+                                   "as that entry's manifest.json says, float16 with its <layer>.grad_scales.npy).")
     _verbosity_options(f, top=False)
     f.add_argument("grads", help="path to a .npy file of shape (k, n, m)")
     f.add_argument("--out", required=True, help="where to write A, B and diagnostics (torch .pt)")

@@ -26,6 +26,7 @@ __all__ = [
     "check_folder",
     "check_out_file",
     "check_out_folder",
+    "check_gradient_options",
     "describe_model",
     "device",
     "max_positions",
@@ -193,6 +194,45 @@ def check_out_file(out: str | os.PathLike, *, overwrite: bool) -> Path:
         raise FisherkronError(f"{out} exists; pass --overwrite to replace it")
     _writable(out)
     return out
+
+
+# ----------------------------------------------------------------------------- options that cannot go together
+
+def torchrun_world_size() -> int:
+    """``WORLD_SIZE`` as torchrun sets it (1 when started without it, or when it is not an integer:
+    :func:`fisherkron.cli.main` refuses that before any command runs)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+def check_gradient_options(args, kronecker: bool) -> None:
+    """Refuse ``compress`` options that cannot go together, before the model is loaded.
+
+    * ``--granularity token`` stores each layer's inputs ``X`` and output gradients ``D`` in
+      float32 and no ``n x m`` gradient, so no ``--grad-dtype`` applies (the library refuses the
+      pair too, but only once the model and the data are loaded);
+    * under torchrun (``WORLD_SIZE > 1``) the calibration writes float32 per-batch gradients into
+      one shared file (:func:`fisherkron.collect_calibration` with ``group=``), so
+      ``--grad-dtype`` other than float32 and ``--granularity token`` are single-process options;
+      and ``--mff-parallel`` spreads MFF, which a method without MFF (``kronecker`` False) never runs.
+    """
+    if args.granularity == "token" and args.grad_dtype != "float32":
+        raise FisherkronError(f"--granularity token keeps each layer's inputs and output gradients in float32 "
+                              f"and stores no per-batch gradient; drop --grad-dtype {args.grad_dtype}")
+    world = torchrun_world_size()
+    if world <= 1:
+        return
+    single = [opt for opt, given in (("--grad-dtype " + args.grad_dtype, args.grad_dtype != "float32"),
+                                     ("--granularity token", args.granularity == "token")) if given]
+    if single:
+        raise FisherkronError(f"{' and '.join(single)} run in one process only: under torchrun (WORLD_SIZE={world}) "
+                              f"the ranks write float32 per-batch gradients into one shared file; drop "
+                              f"{'them' if len(single) > 1 else 'it'} or start without torchrun")
+    if args.mff_parallel is not None and not kronecker:
+        raise FisherkronError(f"--mff-parallel spreads MFF over the ranks, and method {args.method} does not run "
+                              f"MFF; drop --mff-parallel")
 
 
 # ----------------------------------------------------------------------------- what a model is

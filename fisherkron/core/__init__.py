@@ -5,6 +5,7 @@ module                 what it holds
 =====================  =====================================================================
 ``conventions``        ``vec`` (column-major), ``unvec``, ``kron``: the one convention
 ``operators``          the rearranged Fisher ``R(F)`` as a matrix-free operator (Sec. 4.1)
+``stored``             gradients on disk: the 16-bit encodings and what a gradient source may hold
 ``factorization``      MFF, Algorithm 1: ``F ~= A (x) B`` by Lanczos on ``R(F)`` (Sec. 4)
 ``distributed``        data-parallel MFF over a ``torch.distributed`` group: one all-reduce per product
 ``kfac``               K-FAC factors, MFF's warm start

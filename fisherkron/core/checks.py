@@ -53,7 +53,18 @@ def check_int(value, name: str, *, minimum: int | None = None) -> int:
 
 
 def check_positive(value, name: str, *, below: float | None = None, zero_ok: bool = False) -> float:
-    """``value`` as a finite float > 0 (``>= 0`` with ``zero_ok``) and ``< below``; one-line error otherwise."""
+    """``value`` as a finite float > 0 (``>= 0`` with ``zero_ok``) and ``< below``; one-line error otherwise.
+
+    A string or a bool is refused even when ``float()`` would read it: the callers compare and
+    compute with the value they were given, so ``"1.5"`` would pass here and fail later.
+    """
+    if isinstance(value, (str, bytes, bool)):
+        try:
+            hint = f"; pass {name}={float(value)!r}" if not isinstance(value, bool) else ""
+        except ValueError:
+            hint = ""
+        kind = "a bool" if isinstance(value, bool) else "a string"
+        raise FisherkronError(f"{name} must be a number, got {kind} {value!r}{hint}")
     try:
         x = float(value)
     except (TypeError, ValueError):

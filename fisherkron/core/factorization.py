@@ -344,8 +344,10 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
     are positive (they are then PSD up to round-off for PSD ``F``).
 
     Args:
-        grads: ``k`` per-batch gradients of an ``n x m`` layer: a ``(k, n, m)``
-            tensor, a ``.npy`` path, a :class:`GradientStack`, or an iterable of
+        grads: ``k`` per-batch gradients of an ``n x m`` layer: a real ``(k, n, m)``
+            tensor, a ``.npy`` path (float32/64, or a 16-bit ``<layer>.grads.npy`` of a calibration
+            entry, decoded as its manifest says; see :mod:`fisherkron.core.stored`), a
+            :class:`GradientStack` or :class:`~fisherkron.core.stored.StoredGradients`, or an iterable of
             ``(n, m)`` tensors (streamed; spilled to disk past ``memory_budget``); or a
             :class:`~fisherkron.core.operators.TokenFisher` (per-token gradients
             ``delta_t x_t^T``, matrix-free from the layer's inputs and output gradients).

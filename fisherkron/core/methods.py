@@ -26,6 +26,7 @@ the strongest baseline we know of, so it belongs in every comparison).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -135,6 +136,8 @@ def method_weights(name: str, n: int, m: int, *, A=None, B=None, diag_fisher=Non
     elif name != "gfwsvd":
         part = name.removeprefix("gfwsvd_")
         (A, shift), (B, _) = ablate(torch.as_tensor(A), part), ablate(torch.as_tensor(B), part)
+        if part == "offdiag":  # indefinite by construction (see ablate): regularised, not refused
+            reg["indefinite_tol"] = math.inf
     rA = cholesky_weight(A, m, f"{layer}: A (input side, m x m)", **reg)
     rB = cholesky_weight(B, n, f"{layer}: B (output side, n x n)", **reg)
     return Weights(rB.L, rA.L, alpha_A=shift + rA.alpha, alpha_B=shift + rB.alpha)

@@ -33,7 +33,6 @@ import os
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +42,7 @@ import scipy.sparse.linalg as spla
 import torch
 
 from .conventions import FisherkronError, unvec, vec
+from .stored import ENCODINGS, StoredGradients, check_gradient_dtype, encode_gradient, gradient_file
 
 __all__ = ["GradientStack", "StoredGradients", "encode_gradient", "ENCODINGS", "RearrangedFisher", "TokenFisher", "rearranged_fisher", "matvec_flops", "default_memory_budget"]
 
@@ -150,53 +150,15 @@ def _npy_file(src, encoded: bool = False) -> tuple[str, int, np.dtype] | None:
     return None
 
 
-#: encodings of stored gradients: numpy dtype on disk, and whether a per-gradient scale is kept
-ENCODINGS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
-
-
-@dataclass(frozen=True)
-class StoredGradients:
-    r"""A ``(k, n, m)`` ``.npy`` file of gradients in a compact encoding, read back as float32.
-
-    * ``"float32"``: as is;
-    * ``"bfloat16"``: the upper 16 bits of each float32 (stored as ``uint16``; 8 exponent bits,
-      so no gradient underflows; relative rounding ``2^-8``);
-    * ``"float16"``: ``G_i / s_i`` with the per-gradient scale ``s_i = max |G_i|`` kept in
-      ``scales`` (float16's 5 exponent bits would flush small gradients to zero; scaled, the
-      relative rounding is ``2^-12``).
-
-    :class:`GradientStack` decodes them gradient by gradient while it reads, so a stack in a
-    16-bit encoding takes half the disk and the same work memory.
-    """
-
-    path: str
-    encoding: str = "float32"
-    scales: tuple | None = None
-
-    def __post_init__(self):
-        if self.encoding not in ENCODINGS:
-            raise FisherkronError(f"gradient encoding {self.encoding!r} is unknown; use one of {', '.join(ENCODINGS)}")
-
-
-def encode_gradient(G: torch.Tensor, encoding: str) -> tuple[np.ndarray, float]:
-    """``(stored array, scale)`` of one ``(n, m)`` gradient in ``encoding`` (see :class:`StoredGradients`)."""
-    G = G.detach().float().cpu()
-    if encoding == "float32":
-        return G.numpy(), 1.0
-    if encoding == "bfloat16":
-        return G.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), 1.0
-    if encoding == "float16":
-        scale = float(G.abs().max())
-        scale = scale if scale > 0 else 1.0
-        return (G / scale).to(torch.float16).numpy(), scale
-    raise FisherkronError(f"gradient encoding {encoding!r} is unknown; use one of {', '.join(ENCODINGS)}")
-
-
 class GradientStack:
     """``k`` per-batch gradients of one ``n x m`` layer, read in chunks of batches.
 
-    Sources: a ``(k, n, m)`` tensor or array; a ``.npy`` file path (opened
-    memory-mapped, so it may exceed RAM); a list or any iterable of ``(n, m)``
+    Sources: a ``(k, n, m)`` tensor or array of real floats (float16 and ``uint16`` arrays,
+    which may be the stored encodings without what decodes them, are refused; see
+    :func:`~fisherkron.core.stored.check_gradient_dtype`); a ``.npy`` file path (opened
+    memory-mapped, so it may exceed RAM; a 16-bit file through its calibration entry, see
+    :func:`~fisherkron.core.stored.gradient_file`) or :class:`~fisherkron.core.stored.StoredGradients`;
+    a list or any iterable of ``(n, m)``
     gradients (a one-shot iterator is consumed once and kept in memory, or
     spilled to a temporary ``.npy`` file once it outgrows ``memory_budget``).
 
@@ -223,9 +185,11 @@ class GradientStack:
         self._tmpfile: str | None = None
         if isinstance(grads, GradientStack):
             grads = grads._stored or (grads._source if grads._source is not None else grads.stacked())
+        if isinstance(grads, StoredGradients) and grads.encoding == "float32":
+            grads = grads.path
+        if isinstance(grads, (str, Path)):  # float32/64 as is; a 16-bit file only through its calibration entry
+            grads = gradient_file(grads, name)
         self._stored = grads if isinstance(grads, StoredGradients) else None
-        if self._stored is not None and self._stored.encoding == "float32":
-            grads, self._stored = self._stored.path, None
         if self._stored is not None:
             try:
                 grads = np.load(self._stored.path, mmap_mode="r")
@@ -237,17 +201,8 @@ class GradientStack:
                                       f"{self._stored.encoding} gradients")
             if self._stored.encoding == "float16" and len(self._stored.scales or ()) != grads.shape[0]:
                 raise FisherkronError(f"{name}: float16 gradients need one scale per gradient")
-        elif isinstance(grads, (str, Path)):
-            path = Path(grads)
-            if not path.exists():
-                raise FisherkronError(f"{name}: gradient file {path} does not exist")
-            try:
-                grads = np.load(path, mmap_mode="r")
-            except (OSError, ValueError, EOFError) as exc:  # truncated, not .npy, pickled objects
-                raise FisherkronError(f"{name}: {path} is not a readable .npy array ({exc}); "
-                                      f"recollect the calibration") from None
-            if not np.issubdtype(grads.dtype, np.floating):
-                raise FisherkronError(f"{name}: {path} holds {grads.dtype} values; gradients must be floats")
+        elif isinstance(grads, (torch.Tensor, np.ndarray)):
+            check_gradient_dtype(grads.dtype, name)
         if isinstance(grads, torch.Tensor) or isinstance(grads, np.ndarray):
             src = grads
         elif isinstance(grads, Iterable):
@@ -291,7 +246,13 @@ class GradientStack:
         count = 0
         shape = None
         for i, g in enumerate(it):
-            g = torch.as_tensor(g)
+            try:
+                g = torch.as_tensor(g)
+            except (TypeError, ValueError, RuntimeError) as exc:  # strings, None, ragged lists
+                why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise FisherkronError(f"{self.name}: gradient {i} is a {type(g).__name__}, not an (n, m) array "
+                                      f"({why}); pass a (k, n, m) tensor or (n, m) tensors") from None
+            check_gradient_dtype(g.dtype, f"{self.name}: gradient {i}")
             if shape is None:
                 shape = tuple(g.shape)
                 if len(shape) != 2:

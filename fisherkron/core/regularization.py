@@ -17,6 +17,15 @@ those sit on nearly dead units whose diagonal is tiny, so only a large
 eigenvalues are that small (``|lambda_min| <= psd_tol * lambda_max``), they are
 first clipped to zero (one symmetric eigendecomposition); genuinely indefinite
 factors are left as they are. The clipped amount is reported too.
+
+A Kronecker factor of a Fisher is positive semidefinite; MFF's factors of a PSD ``F`` are PSD up
+to round-off and the stopping tolerance, K-FAC's exactly. A factor whose negative part is not of
+that size (``lambda_min < -indefinite_tol * lambda_max``, or no positive eigenvalue at all: a
+negative (semi)definite factor, e.g. one whose sign was flipped) carries no curvature that
+regularisation could keep: both rules would reach a Cholesky factor only by replacing it with
+their ``alpha`` term. It is refused, naming the factor (``A`` or ``B``) and its extreme
+eigenvalues. This is checked only when the plain Cholesky fails, from the same symmetric
+eigendecomposition the round-off clipping uses.
 """
 from __future__ import annotations
 
@@ -27,7 +36,7 @@ import torch
 from .checks import as_tensor, check_finite, check_positive, check_square
 from .conventions import FisherkronError
 
-__all__ = ["MIN_ALPHA", "Regularized", "regularize", "cholesky"]
+__all__ = ["MIN_ALPHA", "INDEFINITE_TOL", "Regularized", "regularize", "cholesky"]
 
 #: The one default floor of the ``alpha`` search, used by :func:`regularize`, GFWSVD, SVD-LLM,
 #: model compression and the command line. The smallest ``alpha`` that admits a Cholesky factor
@@ -37,6 +46,13 @@ __all__ = ["MIN_ALPHA", "Regularized", "regularize", "cholesky"]
 #: 201 / 211 / 216 with floors 1e-4 / 1e-3 / 1e-2 / 0.1 / 1; plain SVD 2205
 #: (``scripts/alpha_floor.py``). Pass ``min_alpha=0`` for the exact optimum of given factors.
 MIN_ALPHA = 1e-3
+
+
+#: Negative eigenvalues below ``-INDEFINITE_TOL * lambda_max`` make a factor no curvature (see the module
+#: docstring). MFF's factors of a PSD Fisher leave PSD only by round-off and by its stopping tolerance
+#: (a relative error of ``A (x) B``, 1e-5 by default); a tenth of the largest eigenvalue is far outside
+#: that, and a sign-flipped or ``diag(1, -1)``-like factor is far past it.
+INDEFINITE_TOL = 0.1
 
 
 class Regularized(NamedTuple):
@@ -52,9 +68,22 @@ class Regularized(NamedTuple):
     clipped: float = 0.0
 
 
-def _clip_roundoff(M: torch.Tensor, psd_tol: float) -> tuple[torch.Tensor, float]:
+def _check_curvature(lam: torch.Tensor, name: str, indefinite_tol: float) -> None:
+    """Refuse a symmetric factor with eigenvalues ``lam`` that is no curvature (see the module docstring)."""
+    low, top = float(lam.min()), float(lam.max())
+    if top > 0 and low >= -indefinite_tol * top:
+        return
+    what = (f"it has no positive eigenvalue (largest {top:.3g}): negative semidefinite" if top <= 0 else
+            f"its negative part exceeds {indefinite_tol:g} of its largest eigenvalue {top:.3g}, far more than "
+            f"round-off or MFF's tolerance leave")
+    raise FisherkronError(f"{name} is not positive semidefinite: smallest eigenvalue {low:.3g}; {what}, so "
+                          f"regularisation does not make it positive definite without replacing it; pass the "
+                          f"factors from fisherkron.mff or kfac_factors (a Fisher factor is PSD; check its sign)")
+
+
+def _clip_roundoff(M: torch.Tensor, psd_tol: float, eigh=None) -> tuple[torch.Tensor, float]:
     """Set round-off negative eigenvalues (``>= -psd_tol lambda_max``) of a symmetric ``M`` to zero."""
-    lam, Q = torch.linalg.eigh(M)
+    lam, Q = torch.linalg.eigh(M) if eigh is None else eigh
     top = float(lam.max())
     if top <= 0 or float(lam.min()) >= 0 or -float(lam.min()) > psd_tol * top:
         return M, 0.0
@@ -73,7 +102,7 @@ def cholesky(M: torch.Tensor) -> torch.Tensor | None:
 
 def regularize(factor, alpha: float | None = None, method: str = "diag", *, min_alpha: float = MIN_ALPHA,
                alpha0: float = 1e-8, growth: float = 10.0, floor: float = 1e-6, psd_tol: float = 1e-6,
-               name: str = "factor") -> Regularized:
+               indefinite_tol: float = INDEFINITE_TOL, name: str = "factor") -> Regularized:
     """Make a Kronecker factor positive definite; return it, its Cholesky factor and ``alpha``.
 
     Args:
@@ -86,6 +115,11 @@ def regularize(factor, alpha: float | None = None, method: str = "diag", *, min_
         method: ``"diag"`` (``A + alpha diag(A)``) or ``"shrink"`` (``(1-alpha) A + alpha mean(diag A) I``).
         psd_tol: negative eigenvalues down to ``-psd_tol * lambda_max`` count as round-off and are
             clipped before the search (only when the plain Cholesky fails); 0 disables this.
+        indefinite_tol: a factor whose plain Cholesky fails is refused when its smallest eigenvalue
+            is below ``-indefinite_tol * lambda_max`` or it has no positive eigenvalue (default
+            :data:`INDEFINITE_TOL`; ``math.inf`` accepts any factor with a positive eigenvalue, as
+            the off-diagonal ablation needs).
+        name: the factor in error messages (GFWSVD passes ``"<layer>: A (input side, m x m)"``).
 
     Example:
         >>> r = regularize(torch.tensor([[1.0, 1.0], [1.0, 1.0]], dtype=torch.float64))  # singular
@@ -94,6 +128,12 @@ def regularize(factor, alpha: float | None = None, method: str = "diag", *, min_
     """
     if method not in ("diag", "shrink"):
         raise FisherkronError(f"method must be 'diag' or 'shrink', got {method!r}")
+    try:
+        tol_ok = not isinstance(indefinite_tol, (str, bool)) and float(indefinite_tol) >= 0
+    except (TypeError, ValueError):
+        tol_ok = False
+    if not tol_ok:
+        raise FisherkronError(f"indefinite_tol must be a number >= 0 (math.inf: no limit), got {indefinite_tol!r}")
     M = as_tensor(factor, name).double()
     check_square(M, name)
     check_finite(M, name)
@@ -101,8 +141,11 @@ def regularize(factor, alpha: float | None = None, method: str = "diag", *, min_
     if float(torch.diagonal(M).abs().mean()) == 0.0:
         raise FisherkronError(f"{name} is zero on its diagonal; it carries no curvature (dead layer or no data?)")
     clipped = 0.0
-    if psd_tol > 0 and cholesky(M) is None:
-        M, clipped = _clip_roundoff(M, psd_tol)
+    if cholesky(M) is None:  # is it a curvature at all, and is its negative part round-off?
+        eig = torch.linalg.eigh(M) if psd_tol > 0 else (torch.linalg.eigvalsh(M), None)
+        _check_curvature(eig[0], name, indefinite_tol)
+        if psd_tol > 0:
+            M, clipped = _clip_roundoff(M, psd_tol, eig)
     d = torch.diagonal(M)
     scale = float(d.abs().mean())
 

@@ -32,7 +32,7 @@ import torch
 
 from .checks import as_tensor, check_finite, check_matrix, check_rank, check_square
 from .conventions import FisherkronError
-from .regularization import MIN_ALPHA, Regularized, regularize
+from .regularization import INDEFINITE_TOL, MIN_ALPHA, Regularized, regularize
 
 __all__ = ["Factors", "Decomposition", "decompose", "weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "fisher_weighted_error",
            "transform", "diagonal_floor", "fwsvd_weight", "asvd_weight", "cholesky_weight"]
@@ -230,18 +230,22 @@ def weighted_svd(W, rank: int, left=None, right=None, *, dtype: torch.dtype = to
 
 
 def cholesky_weight(F, size: int, name: str, alpha=None, method: str = "diag",
-                    min_alpha: float = MIN_ALPHA) -> Regularized:
-    """A Kronecker factor (or ``X X^T``) regularised until it has a Cholesky factor ``L`` (the weight)."""
-    return _chol(F, size, name, alpha, method, min_alpha)
+                    min_alpha: float = MIN_ALPHA, indefinite_tol: float = INDEFINITE_TOL) -> Regularized:
+    """A Kronecker factor (or ``X X^T``) regularised until it has a Cholesky factor ``L`` (the weight).
+
+    A factor that is no curvature (see :func:`fisherkron.regularize`, ``indefinite_tol``) is refused.
+    """
+    return _chol(F, size, name, alpha, method, min_alpha, indefinite_tol)
 
 
-def _chol(F, size: int, name: str, alpha, method: str, min_alpha: float) -> Regularized:
+def _chol(F, size: int, name: str, alpha, method: str, min_alpha: float,
+          indefinite_tol: float = INDEFINITE_TOL) -> Regularized:
     if isinstance(F, Regularized):
         check_square(F.L, name, size)
         return F
     F = as_tensor(F, name)
     check_square(F, name, size)
-    reg = regularize(F, alpha=alpha, method=method, min_alpha=min_alpha, name=name)
+    reg = regularize(F, alpha=alpha, method=method, min_alpha=min_alpha, indefinite_tol=indefinite_tol, name=name)
     if reg.alpha > 0:
         log.debug("%s: alpha=%.3g (%s) for a Cholesky factor", name, reg.alpha, method)
     return reg
@@ -332,8 +336,21 @@ def svd_llm(W, XXt, rank: int, *, alpha: float | None = None, method: str = "dia
 
 
 def fisher_weighted_error(W, W_hat, A, B) -> float:
-    r"""``vec(dW)^T (A (x) B) vec(dW) = tr(dW^T B dW A)`` for ``dW = W - W_hat``."""
-    dW = (as_tensor(W, "W") - as_tensor(W_hat, "W_hat")).double()
-    A = as_tensor(A, "A").double()
-    B = as_tensor(B, "B").double()
-    return float(torch.trace(dW.T @ B @ dW @ A))
+    r"""``vec(dW)^T (A (x) B) vec(dW) = tr(dW^T B dW A)`` for ``dW = W - W_hat``.
+
+    Shapes: ``W`` and ``W_hat`` ``n x m`` (out x in), ``A`` ``m x m`` (input side), ``B`` ``n x n``
+    (output side); anything else is refused in one line naming them.
+    """
+    W, W_hat = as_tensor(W, "W"), as_tensor(W_hat, "W_hat")
+    A, B = as_tensor(A, "A"), as_tensor(B, "B")
+    check_matrix(W, "W (n x m)")
+    n, m = W.shape
+    want = f"expected W and W_hat n x m, A m x m and B n x n with n={n}, m={m} from W"
+    for X, what, shape in ((W_hat, "W_hat", (n, m)), (A, "A", (m, m)), (B, "B", (n, n))):
+        if tuple(X.shape) != shape:
+            raise FisherkronError(f"fisher_weighted_error: {what} has shape {tuple(X.shape)}; {want}")
+    for X, what in ((W, "W"), (W_hat, "W_hat"), (A, "A"), (B, "B")):
+        if X.is_complex() or X.dtype == torch.bool:
+            raise FisherkronError(f"fisher_weighted_error: {what} holds {X.dtype} values; pass real numbers")
+    dW = (W - W_hat).double()
+    return float(torch.trace(dW.T @ B.double() @ dW @ A.double()))
