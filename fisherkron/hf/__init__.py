@@ -17,6 +17,7 @@ module             what it holds
 Needs the ``hf`` extra (transformers, safetensors, datasets, ...). Builds on
 :mod:`fisherkron.core` and :mod:`fisherkron.env` only.
 """
+from .budget import count_params, plan_ranks
 from .calibration import CalibrationStats, collect_calibration, select_layers
 from .data import c4_documents, classification_batches, lm_batches, load_task, ptb, wiki_text
 from .distributed import precompute_kronecker
@@ -25,7 +26,7 @@ from .evaluate import (PerplexityResult, classification_metrics, evaluate_classi
 from .lm_eval_tasks import LOCAL_TASKS, write_tasks
 from .registry import EMBEDDED_MODELS, PAPER_MODELS, load_model
 from .saving import load_compressed, save_compressed
-from .surgery import CompressionReport, LayerReport, compress, count_params, plan_ranks
+from .surgery import CompressionReport, LayerReport, compress
 
 __all__ = [
     "load_model", "EMBEDDED_MODELS", "PAPER_MODELS",

@@ -8,8 +8,11 @@ r"""Per-layer ranks for a whole-model compression ratio: uniform, measured sensi
   compressed alone, with the method at hand, at each candidate per-layer ratio, and the mean
   loss on held-out calibration batches is measured; then ASVD's threshold search picks the
   per-layer ratios (:func:`fisherkron.core.allocation.choose_by_threshold`). The sweep costs
-  ``layers x candidates`` model evaluations; it is cached on disk per (model, method,
-  calibration statistics, held-out batches, candidates) and resumed after an interruption;
+  ``layers x candidates`` model evaluations; it is cached on disk and resumed after an
+  interruption. Its key covers everything the losses depend on (:func:`sweep_key`): the whole
+  model (every weight, its dtype and device), the loss function (its code and what it
+  captures), the held-out batches, the method, its calibration statistics, every option of
+  the factorisation, the candidates, and the code that computes them;
 * ``"fisher"`` (beyond the paper): no model evaluation. Each layer's curve of the error
   ``tr(dW^T B dW A)`` against its rank comes from its weighted SVD
   (:func:`fisherkron.core.allocation.truncation_errors`), in the metric of the layer's Kronecker
@@ -20,14 +23,23 @@ r"""Per-layer ranks for a whole-model compression ratio: uniform, measured sensi
   of the same loss, so ``0.5 tr(dW^T B dW A)`` is each layer's second-order loss increase in
   the same units. Ranks minimise the summed curves under the budget
   (:func:`fisherkron.core.allocation.choose_ranks`).
+
+Every strategy factorises with the options :func:`fisherkron.compress` applies
+(``regularization``, ``alpha``, ``min_alpha``, ``asvd_alpha``, ``mff_options``), so what is
+measured or predicted is the factorisation that follows, and a shared :class:`Decompositions`
+serves both. The parameter budget (:func:`~fisherkron.hf.budget.count_params`,
+:func:`~fisherkron.hf.budget.plan_ranks`) is :mod:`fisherkron.hf.budget`'s.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
 import math
+import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,16 +47,20 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .._version import __version__
 from ..core.allocation import choose_by_threshold, choose_ranks, max_profitable_rank, saving
 from ..core.conventions import FisherkronError
 from ..core.lowrank import LowRankLinear, rank_for_ratio
 from ..core.methods import METHODS, decompose_weight
+from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
 from ..env import atomic_write, data_root
-from .calibration import CalibrationStats, _default_loss, data_fingerprint
+from .budget import check_ratio, count_params, plan_ranks
+from .calibration import (CalibrationStats, _default_loss, data_fingerprint, layer_fingerprint, loss_key,
+                          model_fingerprint)
 
-__all__ = ["STRATEGIES", "Allocation", "allocate", "layer_statistics", "Decompositions", "fisher_curves",
-           "sensitivity_sweep", "mean_loss", "loss_with_factors", "PrefixReplay",
+__all__ = ["STRATEGIES", "OPTIONS", "Allocation", "allocate", "check_options", "layer_statistics", "Decompositions",
+           "fisher_curves", "sensitivity_sweep", "sweep_key", "mean_loss", "loss_with_factors", "PrefixReplay",
            "SENSITIVITY_RATIOS"]
 
 log = logging.getLogger(__name__)
@@ -52,7 +68,63 @@ log = logging.getLogger(__name__)
 STRATEGIES = ("uniform", "sensitivity", "fisher")
 #: per-layer ratios (fraction of a layer's weights removed) measured by the sensitivity sweep
 SENSITIVITY_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-CODE_VERSION = "allocation-1"
+CODE_VERSION = "allocation-2"  # bump when the meaning of a cached sweep changes
+#: the keys of ``compress(allocation_options=)``: the arguments of :func:`allocate` that compress leaves to the user
+OPTIONS = ("heldout", "loss_fn", "loss_name", "sensitivity_ratios", "cache", "cache_dir")
+#: the arguments of :func:`allocate` that compress sets from its own (``{allocate's name: compress's name}``)
+FROM_COMPRESS = {"ratio": "ratio", "strategy": "allocation", "min_alpha": "min_alpha", "mff_options": "mff_options",
+                 "regularization": "regularization", "alpha": "alpha", "asvd_alpha": "asvd_alpha",
+                 "decompositions": "decompositions", "progress": "progress"}
+#: the source files whose code decides a sweep's numbers (their contents enter its key)
+_SWEEP_CODE = ("hf/allocation.py", "core/methods.py", "core/wsvd.py", "core/regularization.py", "core/lowrank.py",
+               "core/factorization.py")
+
+
+def check_options(options) -> dict:
+    """``compress``'s ``allocation_options`` as keyword arguments of :func:`allocate`, or a one-line error.
+
+    >>> check_options({"heldout": []})
+    {'heldout': []}
+    >>> check_options({"heldotu": []})
+    Traceback (most recent call last):
+    fisherkron.core.conventions.FisherkronError: allocation_options has no key 'heldotu'; did you mean 'heldout'? ...
+    """
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise FisherkronError(f"allocation_options must be a dict with keys among {', '.join(OPTIONS)}; "
+                              f"got a {type(options).__name__}")
+    for key in options:
+        if key in OPTIONS:
+            continue
+        if key in FROM_COMPRESS:
+            raise FisherkronError(f"allocation_options sets {key!r}, which compress passes on from its own "
+                                  f"arguments; give compress {FROM_COMPRESS[key]}= instead")
+        near = difflib.get_close_matches(str(key), OPTIONS, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise FisherkronError(f"allocation_options has no key {key!r}{hint} (the keys: {', '.join(OPTIONS)})")
+    return dict(options)
+
+
+def _describe(value):
+    """A JSON-able description of an option value that two different values never share (tensors by content)."""
+    if isinstance(value, torch.Tensor):
+        raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return ["tensor", str(value.dtype), list(value.shape), hashlib.blake2b(raw, digest_size=12).hexdigest()]
+    if isinstance(value, Mapping):
+        return {str(k): _describe(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, [_describe(v) for v in value]]
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return [type(value).__name__, repr(value)]  # dtypes, devices; an address in a repr only costs a miss
+
+
+def _options_key(**options) -> str:
+    """The factorisation options of a cache key, described by :func:`_describe`."""
+    return json.dumps(_describe(options), sort_keys=True)
 
 
 @dataclass
@@ -127,10 +199,11 @@ class Decompositions:
     :func:`fisher_curves`, :func:`sensitivity_sweep`, :func:`allocate` and
     :func:`fisherkron.compress` take one as ``decompositions=``: a study that compresses a model
     at several ratios and allocations then runs one SVD per (method, layer) instead of one per
-    case. An entry is keyed by the method, the layer's name and weight fingerprint, the
-    calibration key and every option that changes the weights (regularisation, ``mff_options``),
-    so a changed weight or statistic is recomputed, never served stale. In memory only
-    (float64: about ``8 (n + m) min(n, m)`` bytes a layer); :meth:`clear` frees it.
+    case. An entry is keyed by the method, the layer's name, weight fingerprint, dtype and
+    device, the calibration key and every option that changes the weights (regularisation,
+    ``mff_options``, described by content), so a changed weight or statistic is recomputed,
+    never served stale. In memory only (float64: about ``8 (n + m) min(n, m)`` bytes a
+    layer); :meth:`clear` frees it.
     """
 
     def __init__(self):
@@ -151,11 +224,11 @@ class Decompositions:
         Returns ``(decomposition, given)`` where ``given`` are the statistics
         (:func:`layer_statistics`); ``info`` receives MFF's diagnostics for the GFWSVD family.
         """
-        from .calibration import layer_fingerprint
-
-        key = (method, name, layer_fingerprint(module), stats.key if stats is not None else None, alpha,
-               min_alpha, regularization, asvd_alpha if method == "asvd" else None,
-               json.dumps(sorted((mff_options or {}).items()), default=str))
+        W = module.weight
+        key = (method, name, layer_fingerprint(module), str(W.dtype), str(W.device),
+               stats.key if stats is not None else None,
+               _options_key(alpha=alpha, min_alpha=min_alpha, regularization=regularization,
+                            asvd_alpha=asvd_alpha if method == "asvd" else None, mff_options=mff_options or {}))
         hit = self._store.get(key)
         if hit is not None:
             self.hits += 1
@@ -191,10 +264,13 @@ def _metric(stats: CalibrationStats, name: str, mff_options: dict | None, device
 
 def fisher_curves(model: nn.Module, method: str, stats: CalibrationStats, names: list[str], *,
                   min_alpha: float = MIN_ALPHA, mff_options: dict | None = None, device=None,
+                  regularization: str = "diag", alpha: float | None = None, asvd_alpha: float = 0.5,
                   decompositions: Decompositions | None = None,
                   progress: bool = False) -> tuple[dict[str, torch.Tensor], str]:
     """Predicted loss increase ``0.5 tr(dW^T B dW A)`` of every layer at every rank, and the metric used.
 
+    Each layer is factorised as :func:`fisherkron.compress` would with the same options
+    (``regularization``, ``alpha``, ``min_alpha``, ``asvd_alpha``, ``mff_options``);
     ``decompositions`` (a :class:`Decompositions`) keeps each layer's weighted SVD for the
     compression that follows.
     """
@@ -202,7 +278,8 @@ def fisher_curves(model: nn.Module, method: str, stats: CalibrationStats, names:
     curves, metric = {}, None
     for name in tqdm(names, desc=f"fisher curves ({method})", disable=not progress):
         dec, given = _decomposition(decompositions, mods[name], method, stats, name, mff_options=mff_options,
-                                    min_alpha=min_alpha, device=device)
+                                    min_alpha=min_alpha, regularization=regularization, alpha=alpha,
+                                    asvd_alpha=asvd_alpha, device=device)
         if "A" in given:  # the GFWSVD family already read MFF's factors: they are the metric
             A, B, metric = given["A"], given["B"], "mff"
         else:
@@ -211,11 +288,59 @@ def fisher_curves(model: nn.Module, method: str, stats: CalibrationStats, names:
     return curves, metric
 
 
-def _sweep_key(model_key: str, method: str, stats: CalibrationStats, heldout_key: str, ratios, names,
-               min_alpha: float, mff_options: dict | None) -> str:
-    cfg = [CODE_VERSION, model_key, method, stats.key if stats is not None else None, heldout_key,
-           list(ratios), list(names), min_alpha, sorted((mff_options or {}).items())]
-    return hashlib.blake2b(json.dumps(cfg, default=str).encode(), digest_size=16).hexdigest()
+def _code_version() -> str:
+    """The package version, :data:`CODE_VERSION` and a hash of the source that computes a sweep's numbers."""
+    h = hashlib.blake2b(digest_size=8)
+    pkg = Path(__file__).resolve().parents[1]
+    for rel in _SWEEP_CODE:
+        h.update((pkg / rel).read_bytes())
+    return f"{__version__}/{CODE_VERSION}/{h.hexdigest()}"
+
+
+def _placement(model: nn.Module) -> str:
+    """Hash of every parameter's and buffer's dtype and device (:func:`model_fingerprint` reads values only)."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    text = ";".join(f"{n}:{t.dtype}:{t.device.type}" for n, t in tensors)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+def _loss_description(loss_fn, loss_name: str | None):
+    """What the sweep's key says of the loss: ``loss_name`` if given, else :func:`loss_key` (or raise)."""
+    if loss_name is not None:
+        return ["named", str(loss_name)]
+    try:
+        return loss_key(loss_fn)
+    except TypeError as exc:
+        raise FisherkronError(f"loss_fn {getattr(loss_fn, '__qualname__', loss_fn)!r} cannot be keyed for the "
+                              f"sensitivity cache ({exc}); pass loss_name='a name unique to this loss' (in "
+                              f"allocation_options with compress) or cache=False") from None
+
+
+def sweep_key(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], heldout, *,
+              ratios=SENSITIVITY_RATIOS, loss_fn=None, loss_name: str | None = None, min_alpha: float = MIN_ALPHA,
+              mff_options: dict | None = None, regularization: str = "diag", alpha: float | None = None,
+              asvd_alpha: float = 0.5) -> str:
+    """The cache key of :func:`sensitivity_sweep`: a hash of everything its losses depend on.
+
+    The whole model (:func:`~fisherkron.hf.calibration.model_fingerprint`: class, config, every
+    parameter and buffer; and each one's dtype and device), the loss function
+    (:func:`~fisherkron.hf.calibration.loss_key`, or ``loss_name``), the held-out batches, the
+    method and the calibration statistics it reads, every option of the factorisation, the
+    candidate ratios, the layers, the versions of fisherkron, torch and transformers and the
+    source of the code that computes the numbers. Raises the one-line error when the loss
+    function cannot be described.
+    """
+    row = method_row(method)
+    batches = [b if isinstance(b, Mapping) else {"batch": b} for b in heldout]
+    cfg = {"code": _code_version(), "torch": torch.__version__,
+           "transformers": getattr(sys.modules.get("transformers"), "__version__", None),
+           "model": model_fingerprint(model), "placement": _placement(model),
+           "loss": _loss_description(loss_fn, loss_name), "heldout": data_fingerprint(batches), "method": method,
+           "stats": stats.key if stats is not None and row.needs else None,
+           "options": _options_key(min_alpha=min_alpha, regularization=regularization, alpha=alpha,
+                                   asvd_alpha=asvd_alpha if method == "asvd" else None, mff_options=mff_options or {}),
+           "ratios": [float(r) for r in ratios], "layers": list(names)}
+    return hashlib.blake2b(json.dumps(cfg, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
 
 
 @torch.no_grad()
@@ -345,36 +470,65 @@ class PrefixReplay:
         return self._loss(model, self.index[name])
 
 
+def _read_sweep(path: Path, key: str) -> dict | None:
+    """The state kept in ``path`` for ``key``, or ``None`` (absent, unreadable, another key's or malformed)."""
+    try:
+        if not path.is_file():
+            return None
+        got = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("sensitivity cache %s is unreadable (%s); measuring again", path, exc)
+        return None
+    if not (isinstance(got, dict) and got.get("key") == key and isinstance(got.get("table"), dict)
+            and isinstance(got.get("evaluations"), int) and isinstance(got.get("seconds"), (int, float))):
+        return None
+    return got
+
+
 def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], heldout,
-                      *, ratios=SENSITIVITY_RATIOS, loss_fn=None, min_alpha: float = MIN_ALPHA,
-                      mff_options: dict | None = None, cache: bool = True, cache_dir=None,
+                      *, ratios=SENSITIVITY_RATIOS, loss_fn=None, loss_name: str | None = None,
+                      min_alpha: float = MIN_ALPHA, mff_options: dict | None = None, regularization: str = "diag",
+                      alpha: float | None = None, asvd_alpha: float = 0.5, cache: bool = True, cache_dir=None,
                       decompositions: Decompositions | None = None, progress: bool = False) -> dict:
     """Loss increase on ``heldout`` of compressing each layer alone at each candidate per-layer ratio.
 
-    Returns ``{"base": loss, "table": {layer: {rank: increase}}, "evaluations": int, "seconds": float,
-    "from_cache": bool}``. Written to ``<cache_dir>/<key>.json`` after every layer, so an
-    interrupted sweep resumes where it stopped.
+    Each layer is factorised as :func:`fisherkron.compress` would with the same options. Returns
+    ``{"base": loss, "table": {layer: {rank: increase}}, "evaluations": int, "seconds": float,
+    "from_cache": bool, "path": str | None}``. With ``cache`` the state is written to
+    ``<cache_dir>/sensitivity-<key>.json`` (:func:`sweep_key`) after every layer, so an
+    interrupted sweep resumes where it stopped; ``loss_name`` stands for a loss function whose
+    code and captured values cannot be described. A folder that cannot be written (read-only,
+    not a folder) costs the cache, not the sweep: one warning says so and ``path`` is ``None``.
     """
-    from .calibration import layer_fingerprint
-
+    method_row(method)
     heldout = list(heldout or ())
     if not heldout:
         raise FisherkronError("the sensitivity allocation needs held-out calibration batches (heldout=)")
     mods = dict(model.named_modules())
-    model_key = hashlib.blake2b("".join(layer_fingerprint(mods[n]) for n in names).encode() +
-                                (stats.config["model"] if stats is not None else "").encode(),
-                                digest_size=16).hexdigest()
-    key = _sweep_key(model_key, method, stats, data_fingerprint(heldout), ratios, names, min_alpha, mff_options)
-    root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "allocation"
-    path = root / f"sensitivity-{key}.json"
-    state = {"key": key, "method": method, "ratios": list(ratios), "table": {}, "evaluations": 0, "seconds": 0.0}
-    if cache and path.exists():
+    options = dict(min_alpha=min_alpha, mff_options=mff_options, regularization=regularization, alpha=alpha,
+                   asvd_alpha=asvd_alpha)
+    key = path = None
+    state = {"method": method, "ratios": list(ratios), "table": {}, "evaluations": 0, "seconds": 0.0}
+    if cache:
+        key = sweep_key(model, method, stats, names, heldout, ratios=ratios, loss_fn=loss_fn, loss_name=loss_name,
+                        **options)
+        root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "allocation"
+        path = root / f"sensitivity-{key}.json"
+        state = _read_sweep(path, key) or {**state, "key": key}
+    kept = path is not None and "base" in state  # the file holds what is returned
+
+    def keep() -> None:
+        nonlocal path, kept
+        if path is None:
+            return
         try:
-            got = json.loads(path.read_text())
-            if got.get("key") == key:
-                state = got
-        except (OSError, ValueError) as exc:
-            log.warning("sensitivity cache %s is unreadable (%s); measuring again", path, exc)
+            atomic_write(path, lambda t: Path(t).write_text(json.dumps(state)))
+            kept = True
+        except OSError as exc:  # a read-only or missing folder: measure on, without a cache
+            log.warning("cannot keep the sensitivity sweep in %s (%s); measuring without a cache. Set "
+                        "FISHERKRON_DATA or pass cache_dir= to a writable folder, or cache=False", path.parent, exc)
+            path, kept = None, False
+
     todo = [n for n in names if n not in state["table"]]
     from_cache = not todo
     t0 = time.perf_counter()
@@ -390,8 +544,7 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
         for name in todo:
             lin = mods[name]
             n, m = lin.weight.shape
-            dec, _ = _decomposition(decompositions, lin, method, stats, name, mff_options=mff_options,
-                                    min_alpha=min_alpha)
+            dec, _ = _decomposition(decompositions, lin, method, stats, name, **options)
             row = {}
             for rho in ratios:
                 r = rank_for_ratio(n, m, rho)
@@ -405,20 +558,21 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
             state["table"][name] = {str(r): d for r, d in row.items()}
             state["seconds"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            if cache:
-                atomic_write(path, lambda t: Path(t).write_text(json.dumps(state)))
+            keep()
         bar.close()
     finally:
         model.train(was_training)
     table = {n: {int(r): float(d) for r, d in state["table"][n].items()} for n in names}
     return {"base": state["base"], "table": table, "evaluations": state["evaluations"],
-            "seconds": state["seconds"], "from_cache": from_cache, "path": str(path) if cache else None}
+            "seconds": state["seconds"], "from_cache": from_cache, "path": str(path) if kept else None}
 
 
 def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], *, ratio: float,
-             strategy: str = "fisher", heldout=None, loss_fn=None, sensitivity_ratios=SENSITIVITY_RATIOS,
-             min_alpha: float = MIN_ALPHA, mff_options: dict | None = None, cache: bool = True, cache_dir=None,
-             decompositions: Decompositions | None = None, progress: bool = False) -> Allocation:
+             strategy: str = "fisher", heldout=None, loss_fn=None, loss_name: str | None = None,
+             sensitivity_ratios=SENSITIVITY_RATIOS, min_alpha: float = MIN_ALPHA, mff_options: dict | None = None,
+             regularization: str = "diag", alpha: float | None = None, asvd_alpha: float = 0.5,
+             cache: bool = True, cache_dir=None, decompositions: Decompositions | None = None,
+             progress: bool = False) -> Allocation:
     """Ranks of the layers ``names`` that compress the whole model by at least ``ratio``.
 
     Args:
@@ -431,20 +585,24 @@ def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, name
         heldout: calibration batches not used for the statistics (``sensitivity`` only); never
             the evaluation text.
         loss_fn: ``loss_fn(model, batch)`` of the sweep (default ``model(**batch).loss``).
+        loss_name: a name unique to ``loss_fn``, for the sweep's cache key in place of its
+            description (needed for a loss that captures an object with state).
         sensitivity_ratios: the candidate per-layer ratios of the sweep.
-        min_alpha, mff_options: as for :func:`fisherkron.compress` (the same factors are used).
+        min_alpha, mff_options, regularization, alpha, asvd_alpha: as for
+            :func:`fisherkron.compress`, which passes its own: the factorisation measured is
+            the one that follows.
         cache, cache_dir: keep the sensitivity sweep on disk (default ``data/cache/allocation``).
         decompositions: a :class:`Decompositions` shared with the compression that follows.
         progress: tqdm bars.
     """
-    from .surgery import count_params, plan_ranks
-
     if strategy not in STRATEGIES:
         raise FisherkronError(f"allocation {strategy!r} is unknown; use one of {', '.join(STRATEGIES)}")
-    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and 0.0 < ratio < 1.0):
-        raise FisherkronError(f"ratio must be in (0, 1), got {ratio}")
+    method_row(method)
+    ratio = check_ratio(ratio)
     mods = dict(model.named_modules())
     shapes = {n: (mods[n].out_features, mods[n].in_features) for n in names}
+    options = dict(min_alpha=min_alpha, mff_options=mff_options, regularization=regularization, alpha=alpha,
+                   asvd_alpha=asvd_alpha, decompositions=decompositions, progress=progress)
     total = count_params(model)
     need = math.ceil(ratio * total)
     t0 = time.perf_counter()
@@ -455,8 +613,7 @@ def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, name
     elif strategy == "fisher":
         if stats is None:
             raise FisherkronError("the fisher allocation needs calibration statistics (stats=)")
-        curves, metric = fisher_curves(model, method, stats, names, min_alpha=min_alpha, mff_options=mff_options,
-                                       decompositions=decompositions, progress=progress)
+        curves, metric = fisher_curves(model, method, stats, names, **options)
         ranks = choose_ranks(curves, shapes, need)
         predicted = {n: float(curves[n][r]) if r is not None else 0.0 for n, r in ranks.items()}
         out = Allocation(strategy, method, ratio, ranks, 0, total, predicted=predicted,
@@ -464,8 +621,7 @@ def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, name
                                                                          for n in names}})
     else:
         sweep = sensitivity_sweep(model, method, stats, names, heldout, ratios=sensitivity_ratios, loss_fn=loss_fn,
-                                  min_alpha=min_alpha, mff_options=mff_options, cache=cache, cache_dir=cache_dir,
-                                  decompositions=decompositions, progress=progress)
+                                  loss_name=loss_name, cache=cache, cache_dir=cache_dir, **options)
         ranks, tau = choose_by_threshold(sweep["table"], shapes, need)
         out = Allocation(strategy, method, ratio, ranks, 0, total, evaluations=sweep["evaluations"],
                          details={"threshold": tau, "base_loss": sweep["base"], "from_cache": sweep["from_cache"],

@@ -9,7 +9,13 @@ calibration collected it.
 
 Ranks: one rank for every layer (the BERT protocol), a per-layer dict, or a
 target whole-model compression ratio ``1 - params_after / params_before``
-met by a uniform per-layer ratio (bisection over ``rank_for_ratio``).
+met by a uniform per-layer ratio (:mod:`fisherkron.hf.budget`) or allocated across layers
+(:mod:`fisherkron.hf.allocation`). Imports run one way: surgery -> allocation -> budget.
+
+Only dense ``nn.Linear`` layers are factorised. In a model compressed before, each
+``LowRankLinear`` is selected by a layer pattern as the layer it stands for and left as it
+is (the report's ``already_lowrank``, and a warning); a selection of such layers alone is
+refused.
 """
 from __future__ import annotations
 
@@ -20,13 +26,14 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core.checks import check_int, check_positive, check_rank
+from ..core.checks import check_int, check_positive
 from ..core.conventions import FisherkronError
-from ..core.lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
+from ..core.lowrank import LowRankLinear, compression_ratio, lowrank_params
 from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
 from . import speed
-from .allocation import Decompositions
+from .allocation import Allocation, Decompositions, allocate, check_options
+from .budget import check_ratio, count_params, plan_ranks
 from .calibration import CalibrationStats, select_layers
 
 __all__ = ["compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport"]
@@ -67,6 +74,7 @@ class CompressionReport:
     seconds: float = 0.0
     allocation: str = "uniform"
     allocation_cost: dict | None = None
+    already_lowrank: dict[str, int] = field(default_factory=dict)  # selected layers left as they were: name -> rank
 
     @property
     def ratio(self) -> float:
@@ -95,59 +103,80 @@ class CompressionReport:
              f"{self.layer_params_after:,} (ratio {self.layers_ratio:.2%})")
         if alphas:
             s += f"; alpha max {max(alphas):.3g}, {sum(a > 0 for a in alphas)}/{len(alphas)} factors needed one"
+        if self.already_lowrank:
+            s += f"; {len(self.already_lowrank)} selected layers were low-rank already and left as they were"
         return s
 
 
-def count_params(model: nn.Module) -> int:
-    """Unique parameters (tied weights counted once)."""
-    return sum(p.numel() for p in model.parameters())
+def _dense_view(model: nn.Module) -> nn.Module:
+    """A shell of ``model``'s module tree (no weights) in which each ``LowRankLinear`` is the ``nn.Linear`` it replaced.
 
-
-def plan_ranks(model: nn.Module, names: list[str], *, rank: int | None = None,
-               ranks: dict[str, int] | None = None, ratio: float | None = None) -> dict[str, int]:
-    """Per-layer ranks from exactly one of ``rank``, ``ranks`` (``None``: keep dense) or a whole-model ``ratio``.
-
-    With ``ratio``, every selected layer gets ``rank_for_ratio(n, m, rho)`` with
-    the smallest uniform ``rho`` whose total removal reaches
-    ``ratio * count_params(model)`` (``1 - r (n + m) / (n m) >= rho`` per layer).
+    Layer patterns are matched on it, so a pattern names the layers of the model as it was
+    before any compression, and never the two halves of a factorised layer.
     """
-    if sum(x is not None for x in (rank, ranks, ratio)) != 1:
-        raise FisherkronError("give exactly one of rank=, ranks= or ratio=")
+    shell = nn.Module()
+    shell.config = getattr(model, "config", None)  # the default pattern depends on the model type
+    made: dict[str, nn.Module] = {"": shell}
+    for name, mod in model.named_modules():
+        parent, _, leaf = name.rpartition(".")
+        if not name or parent not in made or isinstance(made[parent], nn.Linear):
+            continue  # the root, or inside a linear layer (the halves of a LowRankLinear)
+        if isinstance(mod, (nn.Linear, LowRankLinear)):
+            made[name] = nn.Linear(mod.in_features, mod.out_features, bias=False, device="meta")
+        else:
+            made[name] = nn.Module()
+        made[parent].add_module(leaf, made[name])
+    return shell
+
+
+def _select(model: nn.Module, layers, low: dict[str, int]) -> list[str]:
+    """:func:`select_layers` on :func:`_dense_view`; a pattern naming only halves of factorised layers selects those."""
+    if not low:
+        return select_layers(model, layers)
+    view = _dense_view(model)
+    chosen: set[str] = set()
+    for pattern in [layers] if layers is None or isinstance(layers, str) else list(layers):
+        try:
+            chosen.update(select_layers(view, pattern))
+        except FisherkronError as err:  # does it name W_1 or W_2 of a factorised layer?
+            try:
+                halves = select_layers(model, pattern)
+            except FisherkronError:
+                raise err from None
+            chosen.update(n.rpartition(".")[0] for n in halves)
+    return [n for n, _ in view.named_modules() if n in chosen]
+
+
+def _selected_layers(model: nn.Module, layers, stats: CalibrationStats | None) -> tuple[list[str], dict[str, int]]:
+    """The dense layers ``compress`` factorises, and the selected ones that are low-rank already (name -> rank).
+
+    ``layers`` (patterns, as for :func:`~fisherkron.hf.calibration.select_layers`) or, when it is
+    ``None`` and ``stats`` are given, the layers of the statistics. Refuses in one line a
+    selection that holds no dense layer.
+    """
     mods = dict(model.named_modules())
-    shape = {n: (mods[n].out_features, mods[n].in_features) for n in names}
-    if rank is not None:
-        out = {n: rank for n in names}
-    elif ranks is not None:
-        unknown = [n for n in ranks if n not in shape]
-        if unknown:
-            raise FisherkronError(f"ranks names layer {unknown[0]}, which is not among the selected layers")
-        missing = [n for n in names if n not in ranks]
-        if missing:
-            raise FisherkronError(f"ranks gives no rank for layer {missing[0]} ({len(missing)} missing)")
-        out = dict(ranks)
+    low = {n: m.rank for n, m in mods.items() if isinstance(m, LowRankLinear)}
+    if layers is None and stats is not None:
+        names = list(stats.layers)
+        lost = [n for n in names if n not in low and not isinstance(mods.get(n), nn.Linear)]
+        if lost:
+            raise FisherkronError(f"layer {lost[0]} of the statistics is not an nn.Linear of this model; "
+                                  f"collect the statistics on this model")
+        what = "the layers of the statistics"
     else:
-        if not 0.0 < ratio < 1.0:
-            raise FisherkronError(f"ratio must be in (0, 1), got {ratio}")
-        need = ratio * count_params(model)
-
-        def plan(rho):
-            return {n: rank_for_ratio(*shape[n], rho) for n in names}
-
-        def removed(p):
-            return sum(shape[n][0] * shape[n][1] - p[n] * sum(shape[n]) for n in names)
-
-        best = removed(plan(1.0 - 1e-12))
-        if best < need:
-            total = count_params(model)
-            raise FisherkronError(f"ratio {ratio:.3f} is out of reach: factorising the {len(names)} selected "
-                                  f"layers at rank 1 removes at most {best / total:.3f} of the model; "
-                                  f"select more layers")
-        lo, hi = 0.0, 1.0 - 1e-12
-        for _ in range(60):
-            mid = 0.5 * (lo + hi)
-            lo, hi = (lo, mid) if removed(plan(mid)) >= need else (mid, hi)
-        out = plan(hi)
-    return {n: None if r is None else check_rank(r, *shape[n], name=f"layer {n}") for n, r in out.items()}
+        names = _select(model, layers, low)
+        what = f"layer pattern {layers!r}" if layers is not None else "the default layers"
+    already = {n: low[n] for n in names if n in low}
+    dense = [n for n in names if n not in low]
+    if not dense:
+        shown = ", ".join(f"{n} (rank {r})" for n, r in list(already.items())[:3])
+        raise FisherkronError(f"{what}: the {len(already)} selected layer(s) are low-rank already ({shown}"
+                              f"{', ...' if len(already) > 3 else ''}); this model was compressed before: "
+                              f"compress the original model, or select dense nn.Linear layers")
+    if already:
+        log.warning("%d of the selected layers are low-rank already and are left as they are: %s%s", len(already),
+                    ", ".join(list(already)[:5]), ", ..." if len(already) > 5 else "")
+    return dense, already
 
 
 def compress(model: nn.Module, method: str, stats: CalibrationStats | None = None, layers=None, *,
@@ -170,6 +199,9 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         method: one of :data:`fisherkron.METHODS`.
         stats: calibration statistics (all methods but ``svd`` need them).
         layers: regex/glob pattern(s); default: the layers in ``stats`` (or the paper's).
+            Only dense ``nn.Linear`` layers are factorised: a selected ``LowRankLinear`` (from
+            an earlier compression) is left as it is and listed in ``report.already_lowrank``;
+            a selection of such layers alone is refused.
         rank / ranks / ratio: exactly one: a rank for every layer, ``{name: rank}``,
             or a target whole-model compression ratio.
         regularization: ``"diag"`` (``A + alpha diag A``, the paper) or ``"shrink"``.
@@ -184,7 +216,11 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             ``allocation_options={"heldout": batches}``) or ``"fisher"`` (Theorem 1's predicted
             loss increase, no model evaluation); or an :class:`~fisherkron.hf.allocation.Allocation`
             computed before. Layers the allocation keeps dense stay ``nn.Linear``.
-        allocation_options: keyword arguments of :func:`fisherkron.hf.allocation.allocate`.
+        allocation_options: keyword arguments of :func:`fisherkron.hf.allocation.allocate` that
+            compress does not set itself (:data:`~fisherkron.hf.allocation.OPTIONS`: ``heldout``,
+            ``loss_fn``, ``loss_name``, ``sensitivity_ratios``, ``cache``, ``cache_dir``); the
+            allocation factorises with compress's own ``regularization``, ``alpha``,
+            ``min_alpha``, ``asvd_alpha`` and ``mff_options``.
         decompositions: a :class:`~fisherkron.hf.allocation.Decompositions` that keeps each
             layer's full weighted SVD, so that compressing copies of one model at several ratios
             or allocations runs one SVD per layer (default: a fresh one, used by this call only).
@@ -208,27 +244,21 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         for stat in row.needs:
             stats._need(stat)
     if min_speedup is not None:
-        check_positive(min_speedup, "min_speedup")
+        min_speedup = check_positive(min_speedup, "min_speedup")  # a float from here on; "1.5" is refused
         check_int(speed_tokens, "speed_tokens", minimum=1)
+    if ratio is not None:
+        ratio = check_ratio(ratio)
+    allocation_options = check_options(allocation_options)
     t_all = time.perf_counter()
     if decompositions is None:
         decompositions = Decompositions()
-    if layers is None and stats is not None:
-        names = list(stats.layers)
-        mods = dict(model.named_modules())
-        lost = [n for n in names if not isinstance(mods.get(n), nn.Linear)]
-        if lost:
-            raise FisherkronError(f"layer {lost[0]} of the statistics is not an nn.Linear of this model "
-                                  f"(already compressed?)")
-    else:
-        names = select_layers(model, layers)
-        if stats is not None:
-            missing = [n for n in names if n not in stats.layers]
-            if missing:
-                raise FisherkronError(f"layer {missing[0]} has no calibration statistics; collect them for it")
+    names, already = _selected_layers(model, layers, stats)
+    if stats is not None and layers is not None:
+        missing = [n for n in names if n not in stats.layers]
+        if missing:
+            raise FisherkronError(f"layer {missing[0]} has no calibration statistics; collect them for it")
     alloc = None
     if allocation is not None and not (isinstance(allocation, str) and allocation == "uniform"):
-        from .allocation import Allocation, allocate
         if isinstance(allocation, Allocation):
             alloc = allocation
             if set(alloc.ranks) != set(names):
@@ -238,15 +268,16 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
                 raise FisherkronError(f"allocation={allocation!r} chooses the ranks for a target ratio=; "
                                       f"do not give rank= or ranks=")
             alloc = allocate(model, method, stats, names, ratio=ratio, strategy=allocation, min_alpha=min_alpha,
-                             mff_options=mff_options, decompositions=decompositions, progress=progress,
-                             **(allocation_options or {}))
+                             mff_options=mff_options, regularization=regularization, alpha=alpha,
+                             asvd_alpha=asvd_alpha, decompositions=decompositions, progress=progress,
+                             **allocation_options)
         plan = dict(alloc.ranks)
     else:
         plan = plan_ranks(model, names, rank=rank, ranks=ranks, ratio=ratio)
     before = count_params(model)
     mods = dict(model.named_modules())
     report = CompressionReport(method, before, before, 0, 0, target_ratio=ratio,
-                               allocation="uniform" if alloc is None else alloc.strategy)
+                               allocation="uniform" if alloc is None else alloc.strategy, already_lowrank=already)
     if alloc is not None:
         report.allocation_cost = {"evaluations": alloc.evaluations, "seconds": alloc.seconds,
                                   "sweep_seconds": alloc.details.get("sweep_seconds", 0.0)}
