@@ -13,12 +13,14 @@ module                 what it holds
 ``wsvd``               the weighted SVD: GFWSVD (Theorem 1, Eq. (7)) and its special cases
 ``methods``            the compression methods in one table
 ``lowrank``            ``LowRankLinear``: ``W ~= W2 W1`` as a module
+``basis_sharing``      Basis Sharing: one whitened input basis shared by a group of layers
 ``checks``             input validation (one-line :class:`FisherkronError`)
 =====================  =====================================================================
 
 Nothing here imports from the layers above it (``fisherkron.hf``, ``fisherkron.experiments``,
 ``fisherkron.cli``); ``tests/test_layout.py`` checks this on the import graph.
 """
+from .basis_sharing import SharedBasisLinear, SharedFactors, shared_basis, shared_basis_params, shared_basis_rank
 from .conventions import FisherkronError, kron, unvec, vec
 from .factorization import MFFResult, kronecker_terms, mff
 from .kfac import KFACFactors, kfac_factors
@@ -37,4 +39,5 @@ __all__ = [
     "weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
     "METHODS", "Method", "factorize_weight",
     "LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio",
+    "shared_basis", "SharedFactors", "SharedBasisLinear", "shared_basis_rank", "shared_basis_params",
 ]
