@@ -9,9 +9,11 @@ or ``minilm``) is loaded with its head and calibrated on a classification task::
 
     fisherkron compress my-sst2-bert/ --data sst2 --rank 64 --out my-sst2-bert-gfwsvd
 
-The order is: check every option; check ``--out``; load the model; check ``--seq-len``
-against its positions; select the layers; plan the ranks (``--dry-run`` stops here and
-prints them); only then read data, calibrate, compress and save.
+The order is: check every option; check ``--out`` (a folder, writable -- tested by writing
+a file --, new, empty or an earlier save with ``--overwrite``); load the model; check
+``--seq-len`` against its positions; select the layers; plan the ranks (``--dry-run`` stops
+here and prints them); check that ``--out`` has room for the planned save; only then read
+data, calibrate, compress and save.
 
 Under ``torchrun --nproc_per_node=N -m fisherkron compress ...`` (``WORLD_SIZE > 1``) every
 process runs the checks, joins the process group (gloo on CPUs; NCCL with ``--device cuda``,
@@ -99,6 +101,7 @@ def _settings(args) -> dict:
                               f"does not run MFF")
     if args.tol is not None and not METHODS[args.method].kronecker:
         raise FisherkronError(f"--tol sets MFF's tolerance, and method {args.method} does not run MFF")
+    opt.check_gradient_options(args, METHODS[args.method].kronecker)  # pairs that cannot go together; torchrun
     if args.method == "svd" and (args.cache_dir is not None or args.no_cache):
         notes.append((logging.INFO, "method svd needs no calibration: --cache-dir/--no-cache have no effect"))
     for level, *msg in notes:
@@ -167,8 +170,12 @@ def _run(args) -> int:
         opt.check_out_folder(args.out, overwrite=args.overwrite)
     if METHODS[args.method].needs and not args.dry_run:
         from ..env import data_root
-        opt.check_folder(args.cache_dir or data_root() / "cache" / "calibration",
-                         "--cache-dir" if args.cache_dir else "the calibration cache folder")
+        cache_dir = args.cache_dir or data_root() / "cache" / "calibration"
+        if not args.no_cache and os.path.isdir(cache_dir) and not os.access(cache_dir, os.W_OK | os.X_OK):
+            # a read-only shared cache: the entries it holds are used; a missing one is refused in one line
+            log.info("the calibration cache %s is read-only: only what it holds can be used", cache_dir)
+        else:
+            opt.check_folder(cache_dir, "--cache-dir" if args.cache_dir else "the calibration cache folder")
     # 3. the model, its positions, the layers and the ranks
     model, tok = opt.load_model(api, args, s)
     seq_len = opt.resolve_seq_len(model, args.seq_len, DEFAULT_SEQ_LEN, args.model)
@@ -192,6 +199,10 @@ def _run(args) -> int:
                           "allocation": args.allocation, "layers": len(names), "ranks": plan,
                           **{k: v for k, v in table.items() if k != "rows"}}))
         return 0
+    # the output folder's free space, now that the plan says how large the save will be
+    from ..hf.saving import check_free_space
+    bytes_per_param = next(model.parameters()).element_size()
+    check_free_space(args.out, (table["params_before"] if args.merged else table["params_after"]) * bytes_per_param)
     if args.verbose:
         _print_table(table, file=sys.stderr)
     if launch is None:
