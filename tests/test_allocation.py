@@ -9,9 +9,10 @@ import torch
 import fisherkron as fk
 from fisherkron.core.allocation import (choose_by_threshold, choose_ranks, max_profitable_rank, saving,
                                         truncation_errors)
-from fisherkron.hf.allocation import allocate, fisher_curves, sensitivity_sweep
+from fisherkron.hf.allocation import allocate, fisher_curves
 from fisherkron.hf.calibration import collect_calibration
 from fisherkron.hf.saving import load_compressed, save_compressed
+from fisherkron.hf.sensitivity import sensitivity_sweep
 from fisherkron.hf.surgery import compress, count_params
 from fisherkron.testing import F64_REL, RELOAD
 from tiny_models import tiny_llama
@@ -260,7 +261,7 @@ def test_decompositions_cache_reuses_and_never_serves_stale(calibrated):
 
 def test_prefix_replay_gives_the_losses_of_whole_evaluations_and_skips_earlier_blocks(calibrated):
     """Replaying the recorded outputs of the blocks before a layer's changes no loss, only the cost."""
-    from fisherkron.hf.allocation import PrefixReplay, loss_with_factors, mean_loss
+    from fisherkron.hf.sensitivity import PrefixReplay, loss_with_factors, mean_loss
 
     base, st = calibrated
     base.eval()
@@ -288,7 +289,7 @@ def test_prefix_replay_gives_the_losses_of_whole_evaluations_and_skips_earlier_b
 
 
 def test_prefix_replay_switches_itself_off_where_it_cannot_hold():
-    from fisherkron.hf.allocation import PrefixReplay
+    from fisherkron.hf.sensitivity import PrefixReplay
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))

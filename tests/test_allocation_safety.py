@@ -5,7 +5,8 @@
   cache, not the sweep;
 * ``allocation_options``, ``min_speedup`` and ``ratio`` are checked up front in one line;
 * compressing a compressed model factorises only its dense ``nn.Linear`` layers;
-* ``hf.surgery -> hf.allocation -> hf.budget``: no circle, no import hidden in a function.
+* ``hf.surgery -> hf.allocation -> hf.sensitivity`` and ``hf.allocation -> hf.budget``: no circle, no
+  import hidden in a function.
 """
 import ast
 import copy
@@ -19,17 +20,18 @@ import pytest
 import torch
 
 import fisherkron as fk
-from fisherkron.hf import allocation
-from fisherkron.hf.allocation import Decompositions, allocate, sensitivity_sweep
+from fisherkron.hf import allocation, sensitivity
+from fisherkron.hf.allocation import Decompositions, allocate
 from fisherkron.hf.calibration import collect_calibration, model_fingerprint
 from fisherkron.hf.saving import load_compressed, save_compressed
+from fisherkron.hf.sensitivity import sensitivity_sweep
 from fisherkron.hf.surgery import compress
 from fisherkron.testing import RELOAD
 from tiny_models import tiny_llama
 
 LAYERS = ["model.layers.0.mlp.up_proj", "model.layers.1.self_attn.o_proj"]
 RATIOS = (0.3, 0.6)
-LOGGER = "fisherkron.hf.allocation"
+LOGGER = "fisherkron.hf.sensitivity"  # the sweep's
 
 
 def _batches(k=2, seed=0, B=2, T=10):
@@ -151,7 +153,7 @@ def test_decompositions_key_covers_the_dtype():
 def _read_only(monkeypatch):
     def refuse(path, write):
         raise OSError(errno.EROFS, "Read-only file system", str(path))
-    monkeypatch.setattr(allocation, "atomic_write", refuse)
+    monkeypatch.setattr(sensitivity, "atomic_write", refuse)
 
 
 @pytest.mark.parametrize("where", ["read-only", "under a file", "FISHERKRON_DATA is a file"])
@@ -344,8 +346,8 @@ def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("mod", ["allocation", "surgery", "budget"])
-def test_allocation_surgery_and_budget_import_one_way(mod):
+@pytest.mark.parametrize("mod", ["allocation", "sensitivity", "surgery", "budget"])
+def test_allocation_sensitivity_surgery_and_budget_import_one_way(mod):
     graph, start = _graph(), f"fisherkron.hf.{mod}"
     assert start not in _reached(graph, start), f"{start} imports itself through another module"
     path = HF / f"{mod}.py"
@@ -353,11 +355,24 @@ def test_allocation_surgery_and_budget_import_one_way(mod):
     assert not hidden, f"{start} imports {hidden} inside a function"
 
 
-def test_the_arrows_run_surgery_allocation_budget():
+def test_the_arrows_run_surgery_allocation_sensitivity_and_budget():
     graph = _graph()
     assert graph["fisherkron.hf.surgery"] >= {"fisherkron.hf.allocation", "fisherkron.hf.budget"}
-    assert "fisherkron.hf.budget" in graph["fisherkron.hf.allocation"]
-    assert "fisherkron.hf.surgery" not in graph["fisherkron.hf.allocation"] | graph["fisherkron.hf.budget"]
+    assert graph["fisherkron.hf.allocation"] >= {"fisherkron.hf.sensitivity", "fisherkron.hf.budget"}
+    above = {"fisherkron.hf.surgery", "fisherkron.hf.allocation"}
+    assert not above & (graph["fisherkron.hf.sensitivity"] | graph["fisherkron.hf.budget"])
+    assert not above & (_reached(graph, "fisherkron.hf.sensitivity") | _reached(graph, "fisherkron.hf.budget"))
+
+
+def test_the_sweep_is_still_importable_from_allocation():
+    """Callers of the first layout keep working: the sweep's names are re-exported, the same objects."""
+    for name in sensitivity.__all__:
+        if name in allocation.__all__:
+            assert getattr(allocation, name) is getattr(sensitivity, name), name
+    assert set(allocation.__all__) >= {"sensitivity_sweep", "sweep_key", "mean_loss", "loss_with_factors",
+                                       "PrefixReplay", "SENSITIVITY_RATIOS", "layer_statistics"}
+    assert allocation.CODE_VERSION is sensitivity.CODE_VERSION
+    assert "hf/sensitivity.py" in sensitivity._SWEEP_CODE and "hf/allocation.py" in sensitivity._SWEEP_CODE
 
 
 def test_the_import_reader_sees_a_circle_and_an_import_in_a_function(tmp_path):

@@ -109,7 +109,7 @@ def _cached(setup: Setup, case: str, compute) -> dict:
 
 @torch.no_grad()
 def _score(setup: Setup, model) -> dict:
-    from ..hf.allocation import mean_loss
+    from ..hf.sensitivity import mean_loss
     from ..hf.evaluate import perplexity
 
     t = time.perf_counter()
@@ -155,7 +155,8 @@ def validate_predictions(setup: Setup, method: str = "gfwsvd", layers: list[str]
     from tqdm.auto import tqdm
 
     from ..core.lowrank import rank_for_ratio
-    from ..hf.allocation import fisher_curves, loss_with_factors
+    from ..hf.allocation import fisher_curves
+    from ..hf.sensitivity import loss_with_factors
 
     layers = layers or setup.names
     decs = setup.decompositions_of(method)

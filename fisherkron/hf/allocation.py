@@ -4,15 +4,11 @@ r"""Per-layer ranks for a whole-model compression ratio: uniform, measured sensi
 
 * ``"uniform"``: one per-layer compression ratio for every layer (bisected so the whole model
   reaches the target), the behaviour of ``ratio=`` alone;
-* ``"sensitivity"``: the procedure of ASVD that the paper adopted (Sec. 6.3). Each layer is
-  compressed alone, with the method at hand, at each candidate per-layer ratio, and the mean
-  loss on held-out calibration batches is measured; then ASVD's threshold search picks the
-  per-layer ratios (:func:`fisherkron.core.allocation.choose_by_threshold`). The sweep costs
-  ``layers x candidates`` model evaluations; it is cached on disk and resumed after an
-  interruption. Its key covers everything the losses depend on (:func:`sweep_key`): the whole
-  model (every weight, its dtype and device), the loss function (its code and what it
-  captures), the held-out batches, the method, its calibration statistics, every option of
-  the factorisation, the candidates, and the code that computes them;
+* ``"sensitivity"``: the procedure of ASVD that the paper adopted (Sec. 6.3). Each layer's
+  held-out loss increase at each candidate per-layer ratio is measured by
+  :mod:`fisherkron.hf.sensitivity`'s sweep (``layers x candidates`` model evaluations, cached
+  on disk and resumed after an interruption); then ASVD's threshold search picks the
+  per-layer ratios (:func:`fisherkron.core.allocation.choose_by_threshold`);
 * ``"fisher"`` (beyond the paper): no model evaluation. Each layer's curve of the error
   ``tr(dW^T B dW A)`` against its rank comes from its weighted SVD
   (:func:`fisherkron.core.allocation.truncation_errors`), in the metric of the layer's Kronecker
@@ -28,56 +24,45 @@ Every strategy factorises with the options :func:`fisherkron.compress` applies
 (``regularization``, ``alpha``, ``min_alpha``, ``asvd_alpha``, ``mff_options``), so what is
 measured or predicted is the factorisation that follows, and a shared :class:`Decompositions`
 serves both. The parameter budget (:func:`~fisherkron.hf.budget.count_params`,
-:func:`~fisherkron.hf.budget.plan_ranks`) is :mod:`fisherkron.hf.budget`'s.
+:func:`~fisherkron.hf.budget.plan_ranks`) is :mod:`fisherkron.hf.budget`'s. Imports run one
+way: allocation -> sensitivity, allocation -> budget; the sweep's names are importable from
+here as before.
 """
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
 import logging
 import math
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .._version import __version__
 from ..core.allocation import choose_by_threshold, choose_ranks, max_profitable_rank, saving
 from ..core.conventions import FisherkronError
-from ..core.lowrank import LowRankLinear, rank_for_ratio
-from ..core.methods import METHODS, decompose_weight
 from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
-from ..env import atomic_write, data_root
 from .budget import check_ratio, count_params, plan_ranks
-from .calibration import (CalibrationStats, _default_loss, data_fingerprint, layer_fingerprint, loss_key,
-                          model_fingerprint)
+from .calibration import CalibrationStats, layer_fingerprint
+from .sensitivity import (CODE_VERSION, SENSITIVITY_RATIOS, PrefixReplay, decompose_layer, kronecker_factors,
+                          layer_statistics, loss_with_factors, mean_loss, options_key, sensitivity_sweep, sweep_key)
 
 __all__ = ["STRATEGIES", "OPTIONS", "Allocation", "allocate", "check_options", "layer_statistics", "Decompositions",
            "fisher_curves", "sensitivity_sweep", "sweep_key", "mean_loss", "loss_with_factors", "PrefixReplay",
-           "SENSITIVITY_RATIOS"]
+           "SENSITIVITY_RATIOS", "CODE_VERSION"]
 
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("uniform", "sensitivity", "fisher")
-#: per-layer ratios (fraction of a layer's weights removed) measured by the sensitivity sweep
-SENSITIVITY_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-CODE_VERSION = "allocation-2"  # bump when the meaning of a cached sweep changes
 #: the keys of ``compress(allocation_options=)``: the arguments of :func:`allocate` that compress leaves to the user
 OPTIONS = ("heldout", "loss_fn", "loss_name", "sensitivity_ratios", "cache", "cache_dir")
 #: the arguments of :func:`allocate` that compress sets from its own (``{allocate's name: compress's name}``)
 FROM_COMPRESS = {"ratio": "ratio", "strategy": "allocation", "min_alpha": "min_alpha", "mff_options": "mff_options",
                  "regularization": "regularization", "alpha": "alpha", "asvd_alpha": "asvd_alpha",
                  "decompositions": "decompositions", "progress": "progress"}
-#: the source files whose code decides a sweep's numbers (their contents enter its key)
-_SWEEP_CODE = ("hf/allocation.py", "core/methods.py", "core/wsvd.py", "core/regularization.py", "core/lowrank.py",
-               "core/factorization.py")
 
 
 def check_options(options) -> dict:
@@ -104,27 +89,6 @@ def check_options(options) -> dict:
         hint = f"; did you mean {near[0]!r}?" if near else ""
         raise FisherkronError(f"allocation_options has no key {key!r}{hint} (the keys: {', '.join(OPTIONS)})")
     return dict(options)
-
-
-def _describe(value):
-    """A JSON-able description of an option value that two different values never share (tensors by content)."""
-    if isinstance(value, torch.Tensor):
-        raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        return ["tensor", str(value.dtype), list(value.shape), hashlib.blake2b(raw, digest_size=12).hexdigest()]
-    if isinstance(value, Mapping):
-        return {str(k): _describe(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (list, tuple)):
-        return [type(value).__name__, [_describe(v) for v in value]]
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return [type(value).__name__, repr(value)]  # dtypes, devices; an address in a repr only costs a miss
-
-
-def _options_key(**options) -> str:
-    """The factorisation options of a cache key, described by :func:`_describe`."""
-    return json.dumps(_describe(options), sort_keys=True)
 
 
 @dataclass
@@ -155,42 +119,6 @@ class Allocation:
         d = asdict(self)
         d["ratio"] = self.ratio
         return d
-
-
-def layer_statistics(stats: CalibrationStats | None, method: str, name: str, mff_options: dict | None = None,
-                     device=None, info: dict | None = None) -> dict:
-    """The statistics ``method`` reads for layer ``name``, as keyword arguments of ``factorize_weight``.
-
-    For the GFWSVD family MFF runs (or its cached result is read); ``info``, when given,
-    receives its ``fisher_share``, ``matvecs`` and ``converged``.
-    """
-    row = METHODS[method]
-    given = {}
-    if not row.needs:
-        return given
-    if stats is None:
-        raise FisherkronError(f"method {method} needs calibration statistics")
-    if "diag_fisher" in row.needs:
-        given["diag_fisher"] = stats.diag_fisher(name)
-    if "abs_mean" in row.needs:
-        given["abs_mean"] = stats.input_abs_mean(name)
-    if "xxt" in row.needs:
-        given["xxt"] = stats.xxt(name)
-    if "kfac" in row.needs:
-        given["kfac"] = stats.kfac(name)
-    if row.kronecker:
-        res = _kronecker(stats, name, mff_options, device)
-        given["A"], given["B"] = res["A"], res["B"]  # (m, m), (n, n)
-        if info is not None:
-            info.update({k: res[k] for k in ("fisher_share", "matvecs", "converged")})
-    return given
-
-
-def _kronecker(stats: CalibrationStats, name: str, mff_options: dict | None, device=None) -> dict:
-    """``stats.kronecker`` of layer ``name``; a ``device`` inside ``mff_options`` (the CLI's ``--device``) wins."""
-    opts = dict(mff_options or {})
-    device = opts.pop("device", device)
-    return stats.kronecker(name, device=device, **opts)
 
 
 class Decompositions:
@@ -227,8 +155,8 @@ class Decompositions:
         W = module.weight
         key = (method, name, layer_fingerprint(module), str(W.dtype), str(W.device),
                stats.key if stats is not None else None,
-               _options_key(alpha=alpha, min_alpha=min_alpha, regularization=regularization,
-                            asvd_alpha=asvd_alpha if method == "asvd" else None, mff_options=mff_options or {}))
+               options_key(alpha=alpha, min_alpha=min_alpha, regularization=regularization,
+                           asvd_alpha=asvd_alpha if method == "asvd" else None, mff_options=mff_options or {}))
         hit = self._store.get(key)
         if hit is not None:
             self.hits += 1
@@ -237,9 +165,9 @@ class Decompositions:
             return hit[0], hit[1]
         self.misses += 1
         mff_info: dict = {}
-        given = layer_statistics(stats, method, name, mff_options, device=device, info=mff_info)
-        dec = decompose_weight(method, module.weight.detach(), alpha=alpha, min_alpha=min_alpha,
-                               regularization=regularization, asvd_alpha=asvd_alpha, layer=name, **given)
+        dec, given = decompose_layer(module, method, stats, name, mff_options=mff_options, alpha=alpha,
+                                     min_alpha=min_alpha, regularization=regularization, asvd_alpha=asvd_alpha,
+                                     device=device, info=mff_info)
         self._store[key] = (dec, given, mff_info)
         if info is not None:
             info.update(mff_info)
@@ -253,7 +181,7 @@ def _decomposition(cache: Decompositions | None, module, method, stats, name, **
 def _metric(stats: CalibrationStats, name: str, mff_options: dict | None, device=None):
     """The Kronecker Fisher ``(A, B)`` of a layer: MFF's when gradients were collected, else K-FAC's."""
     if "grads" in stats.stats:
-        res = _kronecker(stats, name, mff_options, device)
+        res = kronecker_factors(stats, name, mff_options, device)
         return res["A"], res["B"], "mff"
     if "kfac" in stats.stats:
         kf = stats.kfac(name)
@@ -286,285 +214,6 @@ def fisher_curves(model: nn.Module, method: str, stats: CalibrationStats, names:
             A, B, metric = _metric(stats, name, mff_options, device)
         curves[name] = 0.5 * dec.errors(A, B)
     return curves, metric
-
-
-def _code_version() -> str:
-    """The package version, :data:`CODE_VERSION` and a hash of the source that computes a sweep's numbers."""
-    h = hashlib.blake2b(digest_size=8)
-    pkg = Path(__file__).resolve().parents[1]
-    for rel in _SWEEP_CODE:
-        h.update((pkg / rel).read_bytes())
-    return f"{__version__}/{CODE_VERSION}/{h.hexdigest()}"
-
-
-def _placement(model: nn.Module) -> str:
-    """Hash of every parameter's and buffer's dtype and device (:func:`model_fingerprint` reads values only)."""
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    text = ";".join(f"{n}:{t.dtype}:{t.device.type}" for n, t in tensors)
-    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
-
-
-def _loss_description(loss_fn, loss_name: str | None):
-    """What the sweep's key says of the loss: ``loss_name`` if given, else :func:`loss_key` (or raise)."""
-    if loss_name is not None:
-        return ["named", str(loss_name)]
-    try:
-        return loss_key(loss_fn)
-    except TypeError as exc:
-        raise FisherkronError(f"loss_fn {getattr(loss_fn, '__qualname__', loss_fn)!r} cannot be keyed for the "
-                              f"sensitivity cache ({exc}); pass loss_name='a name unique to this loss' (in "
-                              f"allocation_options with compress) or cache=False") from None
-
-
-def sweep_key(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], heldout, *,
-              ratios=SENSITIVITY_RATIOS, loss_fn=None, loss_name: str | None = None, min_alpha: float = MIN_ALPHA,
-              mff_options: dict | None = None, regularization: str = "diag", alpha: float | None = None,
-              asvd_alpha: float = 0.5) -> str:
-    """The cache key of :func:`sensitivity_sweep`: a hash of everything its losses depend on.
-
-    The whole model (:func:`~fisherkron.hf.calibration.model_fingerprint`: class, config, every
-    parameter and buffer; and each one's dtype and device), the loss function
-    (:func:`~fisherkron.hf.calibration.loss_key`, or ``loss_name``), the held-out batches, the
-    method and the calibration statistics it reads, every option of the factorisation, the
-    candidate ratios, the layers, the versions of fisherkron, torch and transformers and the
-    source of the code that computes the numbers. Raises the one-line error when the loss
-    function cannot be described.
-    """
-    row = method_row(method)
-    batches = [b if isinstance(b, Mapping) else {"batch": b} for b in heldout]
-    cfg = {"code": _code_version(), "torch": torch.__version__,
-           "transformers": getattr(sys.modules.get("transformers"), "__version__", None),
-           "model": model_fingerprint(model), "placement": _placement(model),
-           "loss": _loss_description(loss_fn, loss_name), "heldout": data_fingerprint(batches), "method": method,
-           "stats": stats.key if stats is not None and row.needs else None,
-           "options": _options_key(min_alpha=min_alpha, regularization=regularization, alpha=alpha,
-                                   asvd_alpha=asvd_alpha if method == "asvd" else None, mff_options=mff_options or {}),
-           "ratios": [float(r) for r in ratios], "layers": list(names)}
-    return hashlib.blake2b(json.dumps(cfg, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
-
-
-@torch.no_grad()
-def mean_loss(model: nn.Module, batches, loss_fn=None) -> float:
-    """Mean of ``loss_fn(model, batch)`` over ``batches`` (default: ``model(**batch).loss``)."""
-    loss_fn = loss_fn or _default_loss
-    return sum(float(loss_fn(model, b)) for b in batches) / len(batches)
-
-
-@torch.no_grad()
-def loss_with_factors(model: nn.Module, name: str, factors, batches, loss_fn=None,
-                      replay: "PrefixReplay | None" = None) -> float:
-    """:func:`mean_loss` with layer ``name`` replaced by ``W2 W1`` (``factors``); the layer is put back after.
-
-    With ``replay`` (a :class:`PrefixReplay` recorded on these ``batches``), the blocks before
-    the layer's are not run again.
-    """
-    lin = model.get_submodule(name)
-    W = lin.weight.detach()
-    low = LowRankLinear.from_factors(factors[0].to(W.dtype), factors[1].to(W.dtype),
-                                     lin.bias.detach() if lin.bias is not None else None).to(W.device)
-    model.set_submodule(name, low)
-    try:
-        return replay.loss(model, name) if replay is not None else mean_loss(model, batches, loss_fn)
-    finally:
-        model.set_submodule(name, lin)
-
-
-class _Replay(nn.Module):
-    """Stands in for a block whose output on the current batch was recorded."""
-
-    def __init__(self, out):
-        super().__init__()
-        self.out = out
-
-    def forward(self, *args, **kwargs):
-        return self.out
-
-
-def _block_list(model: nn.Module, names: list[str]):
-    """``(path of the nn.ModuleList of blocks, {layer: block index})``, or ``None`` if the layers are not in one list."""
-    mods = dict(model.named_modules())
-    path, index = None, {}
-    for name in names:
-        parts = name.split(".")
-        found = next(((".".join(parts[:i]), int(parts[i])) for i in range(len(parts) - 1, 0, -1)
-                      if parts[i].isdigit() and isinstance(mods.get(".".join(parts[:i])), nn.ModuleList)), None)
-        if found is None or (path is not None and found[0] != path):
-            return None
-        path, index[name] = found[0], found[1]
-    return (path, index) if path is not None else None
-
-
-class PrefixReplay:
-    r"""Held-out losses of a model in which one layer changed, running only the blocks from that layer's on.
-
-    A sensitivity sweep changes one layer at a time, so the blocks before it compute what the
-    dense model computes. Their outputs on each held-out batch are recorded once (forward
-    hooks on the model's list of blocks) and replayed: a layer in block ``b`` costs the blocks
-    ``b..L-1`` and the head instead of the whole model (about half the blocks on average).
-
-    The replay is checked when it is built: with the first half of the blocks replayed, the
-    loss must equal the dense loss to ``1e-6`` (relative); otherwise (a model whose blocks keep
-    state between calls, or whose layers are not in one ``nn.ModuleList``) it is switched off
-    and every evaluation runs the whole model. ``enabled`` says which.
-    """
-
-    @torch.no_grad()
-    def __init__(self, model: nn.Module, names: list[str], batches, loss_fn=None):
-        self.loss_fn = loss_fn or _default_loss
-        self.batches = list(batches)
-        self.outputs: list[list] = []
-        self.enabled = False
-        self.base: float | None = None  # the dense mean loss, once recorded
-        found = _block_list(model, names)
-        if found is None:
-            return
-        self.path, self.index = found
-        blocks = model.get_submodule(self.path)
-        losses = []
-        for batch in self.batches:
-            outs = [None] * len(blocks)
-
-            def keep(j):
-                return lambda mod, args, out: outs.__setitem__(j, out)
-
-            hooks = [blk.register_forward_hook(keep(j)) for j, blk in enumerate(blocks)]
-            try:
-                losses.append(float(self.loss_fn(model, batch)))
-            finally:
-                for h in hooks:
-                    h.remove()
-            if any(o is None for o in outs):
-                return
-            self.outputs.append(outs)
-        self.base = sum(losses) / len(losses)
-        try:
-            got = self._loss(model, max(1, len(blocks) // 2))
-        except Exception as exc:  # noqa: BLE001 - any failure means: evaluate the whole model
-            log.info("block replay is not possible for this model (%s); evaluating whole models", exc)
-            self.outputs = []
-            return
-        self.enabled = abs(got - self.base) <= 1e-6 * max(1.0, abs(self.base))
-        if not self.enabled:
-            log.info("block replay changes the loss (%.8g against %.8g); evaluating whole models", got, self.base)
-            self.outputs = []
-
-    @torch.no_grad()
-    def _loss(self, model: nn.Module, upto: int) -> float:
-        blocks = model.get_submodule(self.path)
-        orig = [blocks[j] for j in range(upto)]
-        total = 0.0
-        try:
-            for batch, outs in zip(self.batches, self.outputs):
-                for j in range(upto):
-                    blocks[j] = _Replay(outs[j])
-                total += float(self.loss_fn(model, batch))
-        finally:
-            for j, blk in enumerate(orig):
-                blocks[j] = blk
-        return total / len(self.batches)
-
-    def loss(self, model: nn.Module, name: str) -> float:
-        """Mean held-out loss of ``model``, which differs from the recorded one in layer ``name`` only."""
-        if not self.enabled:
-            return mean_loss(model, self.batches, self.loss_fn)
-        return self._loss(model, self.index[name])
-
-
-def _read_sweep(path: Path, key: str) -> dict | None:
-    """The state kept in ``path`` for ``key``, or ``None`` (absent, unreadable, another key's or malformed)."""
-    try:
-        if not path.is_file():
-            return None
-        got = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        log.warning("sensitivity cache %s is unreadable (%s); measuring again", path, exc)
-        return None
-    if not (isinstance(got, dict) and got.get("key") == key and isinstance(got.get("table"), dict)
-            and isinstance(got.get("evaluations"), int) and isinstance(got.get("seconds"), (int, float))):
-        return None
-    return got
-
-
-def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], heldout,
-                      *, ratios=SENSITIVITY_RATIOS, loss_fn=None, loss_name: str | None = None,
-                      min_alpha: float = MIN_ALPHA, mff_options: dict | None = None, regularization: str = "diag",
-                      alpha: float | None = None, asvd_alpha: float = 0.5, cache: bool = True, cache_dir=None,
-                      decompositions: Decompositions | None = None, progress: bool = False) -> dict:
-    """Loss increase on ``heldout`` of compressing each layer alone at each candidate per-layer ratio.
-
-    Each layer is factorised as :func:`fisherkron.compress` would with the same options. Returns
-    ``{"base": loss, "table": {layer: {rank: increase}}, "evaluations": int, "seconds": float,
-    "from_cache": bool, "path": str | None}``. With ``cache`` the state is written to
-    ``<cache_dir>/sensitivity-<key>.json`` (:func:`sweep_key`) after every layer, so an
-    interrupted sweep resumes where it stopped; ``loss_name`` stands for a loss function whose
-    code and captured values cannot be described. A folder that cannot be written (read-only,
-    not a folder) costs the cache, not the sweep: one warning says so and ``path`` is ``None``.
-    """
-    method_row(method)
-    heldout = list(heldout or ())
-    if not heldout:
-        raise FisherkronError("the sensitivity allocation needs held-out calibration batches (heldout=)")
-    mods = dict(model.named_modules())
-    options = dict(min_alpha=min_alpha, mff_options=mff_options, regularization=regularization, alpha=alpha,
-                   asvd_alpha=asvd_alpha)
-    key = path = None
-    state = {"method": method, "ratios": list(ratios), "table": {}, "evaluations": 0, "seconds": 0.0}
-    if cache:
-        key = sweep_key(model, method, stats, names, heldout, ratios=ratios, loss_fn=loss_fn, loss_name=loss_name,
-                        **options)
-        root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "allocation"
-        path = root / f"sensitivity-{key}.json"
-        state = _read_sweep(path, key) or {**state, "key": key}
-    kept = path is not None and "base" in state  # the file holds what is returned
-
-    def keep() -> None:
-        nonlocal path, kept
-        if path is None:
-            return
-        try:
-            atomic_write(path, lambda t: Path(t).write_text(json.dumps(state)))
-            kept = True
-        except OSError as exc:  # a read-only or missing folder: measure on, without a cache
-            log.warning("cannot keep the sensitivity sweep in %s (%s); measuring without a cache. Set "
-                        "FISHERKRON_DATA or pass cache_dir= to a writable folder, or cache=False", path.parent, exc)
-            path, kept = None, False
-
-    todo = [n for n in names if n not in state["table"]]
-    from_cache = not todo
-    t0 = time.perf_counter()
-    was_training = model.training
-    model.eval()
-    try:
-        replay = PrefixReplay(model, todo, heldout, loss_fn) if todo else None
-        if "base" not in state:  # the replay recorded the dense losses already, where it could
-            base = replay.base if replay is not None else None
-            state["base"] = base if base is not None else mean_loss(model, heldout, loss_fn)
-            state["evaluations"] += 1
-        bar = tqdm(total=len(todo) * len(ratios), desc=f"sensitivity ({method})", disable=not progress)
-        for name in todo:
-            lin = mods[name]
-            n, m = lin.weight.shape
-            dec, _ = _decomposition(decompositions, lin, method, stats, name, **options)
-            row = {}
-            for rho in ratios:
-                r = rank_for_ratio(n, m, rho)
-                if r in row or saving(n, m, r) <= 0:
-                    bar.update(1)
-                    continue
-                f = dec.factors(r, name)
-                row[r] = loss_with_factors(model, name, f, heldout, loss_fn, replay=replay) - state["base"]
-                state["evaluations"] += 1
-                bar.update(1)
-            state["table"][name] = {str(r): d for r, d in row.items()}
-            state["seconds"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            keep()
-        bar.close()
-    finally:
-        model.train(was_training)
-    table = {n: {int(r): float(d) for r, d in state["table"][n].items()} for n in names}
-    return {"base": state["base"], "table": table, "evaluations": state["evaluations"],
-            "seconds": state["seconds"], "from_cache": from_cache, "path": str(path) if kept else None}
 
 
 def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], *, ratio: float,
