@@ -35,8 +35,8 @@ from .core import (METHODS, MIN_ALPHA, Factors, FisherkronError, GradientStack, 
                    LowRankLinear, Method, MFFResult, RearrangedFisher, Regularized, asvd,
                    compression_ratio, factorize_weight, fisher_weighted_error, fwsvd, gfwsvd,
                    kfac_factors, kron, kronecker_terms, lowrank_params, matvec_flops, mff,
-                   rank_for_ratio, rearranged_fisher, regularize, svd, svd_llm, unvec, vec,
-                   weighted_svd)
+                   rank_for_ratio, rearranged_fisher, regularize, shared_basis, SharedBasisLinear,
+                   svd, svd_llm, unvec, vec, weighted_svd)
 
 from ._version import __version__
 
@@ -46,7 +46,8 @@ _HF = ("load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
        "compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport",
        "save_compressed", "load_compressed",
        "perplexity", "PerplexityResult", "classification_metrics", "predict_classifier",
-       "evaluate_classifier", "run_lm_eval", "write_tasks", "LOCAL_TASKS")
+       "evaluate_classifier", "run_lm_eval", "write_tasks", "LOCAL_TASKS",
+       "compress_basis_sharing", "plan_basis_sharing", "BasisSharingReport")
 
 __all__ = [
     # fisherkron.core: the method
@@ -58,6 +59,7 @@ __all__ = [
     "weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
     "METHODS", "Method", "factorize_weight",
     "LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio",
+    "shared_basis", "SharedBasisLinear",
     # fisherkron.hf: Hugging Face models (imported on first use)
     *_HF,
     "__version__",

@@ -283,3 +283,47 @@ def test_refusals_are_one_line(decoder, tmp_path):
     compress_basis_sharing(done, st, 0.2)
     with pytest.raises(FisherkronError, match="is a SharedBasisLinear .already compressed"):
         compress_basis_sharing(done, st, 0.2)
+
+
+def test_a_basis_sharing_model_saves_each_basis_once_and_reloads_exactly(tmp_path):
+    """Save / load: every shared basis is stored once, reloaded as one object per group, logits bit-identical."""
+    import json
+
+    from fisherkron.hf.saving import load_compressed, save_compressed
+
+    model = tiny_decoder()
+    st = calibrate(model, tmp_path / "cal")
+    compress_basis_sharing(model, st, 0.2)
+    out = save_compressed(model, tmp_path / "m")
+    meta = json.loads((out / "fisherkron.json").read_text())
+    owners = {spec["basis"] for spec in meta["layers"].values() if spec.get("basis")}
+    assert owners, "the manifest records no shared basis"
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        stored_firsts = [k for k in f.keys() if k.endswith(".first.weight")]
+    firsts = {id(m.first) for m in model.modules() if isinstance(m, SharedBasisLinear)}
+    private = [m for m in model.modules() if hasattr(m, "first") and not isinstance(m, SharedBasisLinear)]
+    assert len(stored_firsts) == len(firsts) + len(private)  # a basis per group, not per layer
+    back = load_compressed(out)
+    assert count_params(back) == count_params(model)
+    b = back.model.layers
+    assert b[0].self_attn.q_proj.first is b[1].self_attn.q_proj.first
+    x = batches(k=1)[0]["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, model(x).logits)
+    back16 = load_compressed(out, dtype=torch.bfloat16)
+    assert back16.model.layers[0].self_attn.q_proj.first is back16.model.layers[1].self_attn.q_proj.first
+    dense = load_compressed(save_compressed(model, tmp_path / "merged", merged=True))
+    with torch.no_grad():
+        assert (dense(x).logits - model(x).logits).abs().max() < 1e-4
+
+
+def test_compress_leaves_shared_basis_layers_alone(tmp_path):
+    """compress() after Basis Sharing factorises only the layers still dense, never a shared basis's halves."""
+    model = tiny_decoder()
+    compress_basis_sharing(model, calibrate(model, tmp_path / "cal"), 0.2)
+    shared = {n for n, m in model.named_modules() if isinstance(m, SharedBasisLinear)}
+    with pytest.raises(FisherkronError, match="low-rank already"):
+        compress(model, "svd", layers=r".*q_proj", ratio=0.2)
+    assert {n for n, m in model.named_modules() if isinstance(m, SharedBasisLinear)} == shared

@@ -7,7 +7,11 @@ module             what it holds
 ``data``           calibration and evaluation data that ship inside packages (offline)
 ``calibration``    per-batch gradients and the statistics every method reads, cached on disk
 ``distributed``    under torchrun: the process group, and MFF of all layers spread over the ranks
+``budget``         ``count_params``, ``plan_ranks``: the parameter budget, uniform ranks for a ratio
+``sensitivity``    ASVD's sensitivity sweep: each layer compressed alone, held-out loss (Sec. 6.3)
+``allocation``     ``allocate``: per-layer ranks for a whole-model ratio (uniform, sensitivity, fisher)
 ``surgery``        ``compress``: replace ``nn.Linear`` layers by ``LowRankLinear`` (Secs. 5-6)
+``basis_sharing``  Basis Sharing (Wang et al. 2024): cross-layer shared bases, a Sec. 6.3 baseline
 ``speed``          FLOPs of a forward pass (analytic, and counted on a meta copy); measured layer speed
 ``saving``         ``save_compressed`` / ``load_compressed``: safetensors folders
 ``evaluate``       perplexity, GLUE-style metrics, lm-eval tasks
@@ -17,6 +21,7 @@ module             what it holds
 Needs the ``hf`` extra (transformers, safetensors, datasets, ...). Builds on
 :mod:`fisherkron.core` and :mod:`fisherkron.env` only.
 """
+from .basis_sharing import BasisSharingReport, compress_basis_sharing, plan_basis_sharing
 from .budget import count_params, plan_ranks
 from .calibration import CalibrationStats, collect_calibration, select_layers
 from .data import c4_documents, classification_batches, lm_batches, load_task, ptb, wiki_text
@@ -36,4 +41,5 @@ __all__ = [
     "save_compressed", "load_compressed",
     "perplexity", "PerplexityResult", "classification_metrics", "predict_classifier",
     "evaluate_classifier", "run_lm_eval", "write_tasks", "LOCAL_TASKS",
+    "compress_basis_sharing", "plan_basis_sharing", "BasisSharingReport",
 ]

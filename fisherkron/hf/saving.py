@@ -66,6 +66,7 @@ import torch
 from torch import nn
 
 from ..core.conventions import FisherkronError
+from ..core.basis_sharing import SharedBasisLinear
 from ..core.lowrank import LowRankLinear
 from ..env import TMP_PREFIX, file_checksum, stale_temporaries, temporary_name
 
@@ -256,11 +257,14 @@ def _saved_bytes(model: nn.Module, *, merged: bool = False) -> int:
     for t in model.state_dict().values():
         seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
     total = sum(seen.values())
-    if merged:  # W_2 W_1 (n x m) instead of W_1 (r x m) and W_2 (n x r)
+    if merged:  # W_2 W_1 (n x m) instead of W_1 (r x m, a shared one once) and W_2 (n x r)
+        bases = set()
         for mod in model.modules():
-            if isinstance(mod, LowRankLinear):
+            if isinstance(mod, (LowRankLinear, SharedBasisLinear)):
                 n, m, r = mod.out_features, mod.in_features, mod.rank
-                total += (n * m - r * (n + m)) * mod.first.weight.element_size()
+                once = id(mod.first) not in bases
+                bases.add(id(mod.first))
+                total += (n * m - r * n - (r * m if once else 0)) * mod.first.weight.element_size()
     return total
 
 
@@ -292,10 +296,32 @@ def check_free_space(directory, need: int) -> None:
 
 # ----------------------------------------------------------------------------- saving
 
+def _layer_specs(model: nn.Module) -> dict:
+    """``{name: {n, m, rank, bias}}`` of every factorised layer; a ``SharedBasisLinear`` also names its
+    group's ``basis``: the first layer (in module order) holding the shared ``first``, where it is stored."""
+    layers, owner = {}, {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, (LowRankLinear, SharedBasisLinear)):
+            layers[name] = {"n": mod.out_features, "m": mod.in_features, "rank": mod.rank,
+                            "bias": mod.second.bias is not None}
+            if isinstance(mod, SharedBasisLinear):
+                layers[name]["basis"] = owner.setdefault(id(mod.first), name)
+    return layers
+
+
+def _shared_once(model: nn.Module, layers: dict) -> dict:
+    """The state dict with each shared basis once (under its owner): safetensors stores no aliases."""
+    state = model.state_dict()
+    for name, spec in layers.items():
+        if spec.get("basis", name) != name:
+            del state[f"{name}.first.weight"]
+    return state
+
+
 def merge_lowrank(model: nn.Module) -> nn.Module:
     """Replace every ``LowRankLinear`` of ``model`` (in place) by a dense ``nn.Linear`` with ``W = W_2 W_1``."""
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, LowRankLinear):
+        if isinstance(mod, (LowRankLinear, SharedBasisLinear)):
             W = mod.second.weight @ mod.first.weight  # (n, r) @ (r, m)
             lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.second.bias is not None,
                             device=W.device, dtype=W.dtype)
@@ -341,9 +367,7 @@ def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
                               f"got {type(tokenizer).__name__}")
     out = check_destination(directory, overwrite=overwrite)
     check_free_space(out, _saved_bytes(model, merged=merged))
-    layers = {name: {"n": mod.out_features, "m": mod.in_features, "rank": mod.rank,
-                     "bias": mod.second.bias is not None}
-              for name, mod in model.named_modules() if isinstance(mod, LowRankLinear)}
+    layers = _layer_specs(model)
     meta = {"format": FORMAT, "fisherkron_version": __version__, "architecture": type(model).__name__,
             "form": "merged" if merged else "factorised",
             "method": getattr(report, "method", None), "layers": layers,
@@ -355,7 +379,7 @@ def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
             import copy
             merge_lowrank(copy.deepcopy(model)).save_pretrained(folder, safe_serialization=True)
         else:
-            model.save_pretrained(folder, safe_serialization=True)
+            model.save_pretrained(folder, state_dict=_shared_once(model, layers), safe_serialization=True)
             cfg_path = folder / "config.json"
             cfg = json.loads(cfg_path.read_text())
             cfg[_REAL_TYPE], cfg["model_type"] = cfg.get("model_type"), MODEL_TYPE
@@ -610,6 +634,7 @@ def verify_files(d: Path, meta: dict, *, checksums: bool = True) -> None:
 
 def _place_layers(d: Path, model: nn.Module, layers: dict) -> None:
     """Rebuild each factorised layer the manifest names, where the architecture has a matching ``nn.Linear``."""
+    firsts: dict[str, nn.Linear] = {}
     for name, spec in layers.items():
         try:
             lin = model.get_submodule(name)
@@ -620,6 +645,17 @@ def _place_layers(d: Path, model: nn.Module, layers: dict) -> None:
         if (lin.out_features, lin.in_features) != (spec["n"], spec["m"]):
             raise _edited(d, f"layers[{name!r}]", f"records n={spec['n']}, m={spec['m']}, but the layer is "
                                                   f"{lin.out_features} x {lin.in_features}")
+        owner = spec.get("basis")
+        if owner is not None:  # a shared basis: one nn.Linear for the group, built at its owner
+            own = layers.get(owner) if isinstance(owner, str) else None
+            if own is None or own.get("basis") != owner or (own["m"], own["rank"]) != (spec["m"], spec["rank"]):
+                raise _edited(d, f"layers[{name!r}].basis", f"is {owner!r}, not a layer holding an "
+                                                            f"{spec['rank']} x {spec['m']} shared basis")
+            if spec["rank"] > spec["m"]:
+                raise _edited(d, f"layers[{name!r}].rank", f"is {spec['rank']}, above m={spec['m']}")
+            first = firsts.setdefault(owner, nn.Linear(spec["m"], spec["rank"], bias=False))
+            model.set_submodule(name, SharedBasisLinear(first, spec["n"], bias=spec["bias"]))
+            continue
         if spec["rank"] > min(spec["n"], spec["m"]):
             raise _edited(d, f"layers[{name!r}].rank",
                           f"is {spec['rank']}, above min(n, m)={min(spec['n'], spec['m'])}")
@@ -707,7 +743,8 @@ def load_compressed(directory, *, dtype: torch.dtype | None = None, return_token
     tied = set()
     if getattr(config, "tie_word_embeddings", False):
         tied = {k for k in missing if k.endswith("lm_head.weight") or k.endswith("decoder.weight")}
-    bad = [k for k in missing if k not in tied]
+    shared = {f"{n}.first.weight" for n, spec in meta["layers"].items() if spec.get("basis", n) != n}
+    bad = [k for k in missing if k not in tied and k not in shared]
     if bad or unexpected:
         what = f"missing {bad[0]}" if bad else f"unexpected {unexpected[0]}"
         raise FisherkronError(f"{d}: weights do not fit the architecture ({what}; "

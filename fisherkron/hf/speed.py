@@ -35,6 +35,7 @@ from torch import nn
 
 from ..core.checks import check_int, check_rank
 from ..core.conventions import FisherkronError
+from ..core.basis_sharing import SharedBasisLinear
 from ..core.lowrank import LowRankLinear
 
 __all__ = ["PER_SEQUENCE", "FlopCount", "linear_flops", "breakeven_rank", "forward_flops", "meta_twin",
@@ -116,13 +117,13 @@ def forward_flops(model: nn.Module, batch_size: int, seq_len: int, *, past: int 
     for name in ranks:
         if not isinstance(mods.get(name), nn.Linear):
             raise FisherkronError(f"ranks names {name!r}, which is not an nn.Linear of this model")
-    lowrank = [name for name, mod in mods.items() if isinstance(mod, LowRankLinear)]
+    lowrank = [name for name, mod in mods.items() if isinstance(mod, (LowRankLinear, SharedBasisLinear))]
     layers: dict[str, int] = {}
     for name, mod in mods.items():
         if any(name.startswith(p + ".") for p in lowrank):  # the two halves of a LowRankLinear: counted below
             continue
         tokens = B if PER_SEQUENCE.fullmatch(name) else B * T
-        if isinstance(mod, LowRankLinear):
+        if isinstance(mod, (LowRankLinear, SharedBasisLinear)):  # a shared basis is applied to each layer's input
             layers[name] = linear_flops(mod.out_features, mod.in_features, tokens, mod.rank)
         elif isinstance(mod, nn.Linear):
             r = ranks.get(name)

@@ -28,7 +28,11 @@ from tqdm.auto import tqdm
 
 from ..core.checks import check_int, check_positive
 from ..core.conventions import FisherkronError
+from ..core.basis_sharing import SharedBasisLinear
 from ..core.lowrank import LowRankLinear, compression_ratio, lowrank_params
+
+#: the modules a compression leaves: a layer already one of these is not factorised again
+FACTORISED = (LowRankLinear, SharedBasisLinear)
 from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
 from . import speed
@@ -121,7 +125,7 @@ def _dense_view(model: nn.Module) -> nn.Module:
         parent, _, leaf = name.rpartition(".")
         if not name or parent not in made or isinstance(made[parent], nn.Linear):
             continue  # the root, or inside a linear layer (the halves of a LowRankLinear)
-        if isinstance(mod, (nn.Linear, LowRankLinear)):
+        if isinstance(mod, (nn.Linear, *FACTORISED)):
             made[name] = nn.Linear(mod.in_features, mod.out_features, bias=False, device="meta")
         else:
             made[name] = nn.Module()
@@ -155,7 +159,7 @@ def _selected_layers(model: nn.Module, layers, stats: CalibrationStats | None) -
     selection that holds no dense layer.
     """
     mods = dict(model.named_modules())
-    low = {n: m.rank for n, m in mods.items() if isinstance(m, LowRankLinear)}
+    low = {n: m.rank for n, m in mods.items() if isinstance(m, FACTORISED)}
     if layers is None and stats is not None:
         names = list(stats.layers)
         lost = [n for n in names if n not in low and not isinstance(mods.get(n), nn.Linear)]
