@@ -118,9 +118,7 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False, replace: bo
         yield tmp
         os.chmod(tmp, (0o777 if directory else 0o666) & ~_umask())  # mkdtemp/mkstemp make 0700/0600
         if directory:
-            if path.exists() and replace:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            tmp.rename(path)
+            _replace_directory(tmp, path, replace, prefix)
         else:
             os.replace(tmp, path)
     finally:
@@ -128,6 +126,40 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False, replace: bo
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+
+
+def _replace_directory(tmp: Path, path: Path, replace: bool, prefix: str) -> None:
+    """Rename the filled folder ``tmp`` to ``path``; an existing ``path`` is set aside first, deleted last.
+
+    The earlier folder is renamed aside (``<prefix>old``, beside it) before the new one moves in
+    and is deleted only after that succeeded, so a failing rename (``path`` is a mount point:
+    EBUSY; another file system: EXDEV) leaves it as it was. It is never deleted first.
+    """
+    if not (replace and (path.exists() or path.is_symlink())):
+        try:
+            tmp.rename(path)
+        except OSError as exc:
+            raise _rename_error(path, exc) from None
+        return
+    aside = path.with_name(f"{prefix}old")
+    try:
+        os.rename(path, aside)
+    except OSError as exc:
+        raise _rename_error(path, exc) from None
+    try:
+        tmp.rename(path)
+    except BaseException as exc:
+        os.rename(aside, path)  # the earlier folder back in place
+        if isinstance(exc, OSError):
+            raise _rename_error(path, exc) from None
+        raise
+    shutil.rmtree(aside, ignore_errors=True) if aside.is_dir() else aside.unlink()
+
+
+def _rename_error(path: Path, exc: OSError) -> FisherkronError:
+    why = ("it is a mount point (or otherwise busy)" if os.path.ismount(path) or exc.errno == 16 else str(exc))
+    return FisherkronError(f"cannot put a new folder at {path}: {why}; nothing there was changed. Point the "
+                           f"output at a folder inside it (e.g. {path / 'out'})")
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> Path:
@@ -154,21 +186,52 @@ def temporary_name(stem: str) -> str:
     return f"{TMP_PREFIX}{os.getpid()}-{stem}-"
 
 
-def _pid_alive(pid: int) -> bool:
+def _pid_alive(pid: int, since: float | None = None) -> bool:
+    """Whether process ``pid`` runs on this host.
+
+    ``since``: a time (seconds since the epoch) at which the process in question held ``pid``,
+    e.g. when it last wrote a file. A process that started more than a minute after it is
+    another one that reused the id (the writer died, or the machine restarted) and does not count.
+    The start time is field 22 of ``/proc/<pid>/stat`` (clock ticks after boot, Linux) or
+    psutil's; where neither tells, a live ``pid`` counts. The minute of slack absorbs clock
+    steps; a reused id is then found by a later run.
+    """
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:  # another user's live process
+        pass
+    if since is None:
         return True
-    return True
+    started = None
+    try:  # the process name (field 2) may hold spaces and parentheses: count fields after the last ')'
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        try:
+            import psutil
+
+            started = psutil.Process(pid).create_time()
+        except Exception:  # noqa: BLE001 - psutil missing, or the process just ended
+            started = None
+    return started is None or started <= since + 60.0
 
 
-def stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+def stale_temporaries(folder: str | os.PathLike, stem: str | None = None) -> list[Path]:
     """The package's temporary files and folders in ``folder`` whose writing process is gone.
 
+    ``stem``: only those of one kind, ``.fisherkron-tmp-<pid>-<stem>-*`` (e.g. the temporaries of
+    the folder ``<stem>``); default: all of them.
+
     Left behind only by a process killed without a chance to clean up (SIGKILL, power loss,
-    a crash); the process id in the name tells a live writer's (left alone) from a dead one's.
+    a crash); the process id in the name tells a live writer's (left alone) from a dead one's,
+    and a process that started after the temporary was last written is not its writer (the id
+    was reused, e.g. after a restart: see :func:`_pid_alive`).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -177,19 +240,32 @@ def stale_temporaries(folder: str | os.PathLike) -> list[Path]:
     for p in folder.iterdir():
         if not p.name.startswith(TMP_PREFIX):
             continue
-        pid = p.name[len(TMP_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or not _pid_alive(int(pid)):
+        pid, _, rest = p.name[len(TMP_PREFIX):].partition("-")
+        if stem is not None and not rest.startswith(f"{stem}-"):
+            continue
+        try:
+            written = p.lstat().st_mtime
+        except OSError:  # removed meanwhile
+            continue
+        if not pid.isdigit() or not _pid_alive(int(pid), since=written):
             stale.append(p)
     return sorted(stale)
 
 
-def remove_stale_temporaries(folder: str | os.PathLike) -> tuple[int, int]:
-    """Remove :func:`stale_temporaries` of ``folder``; return ``(entries removed, bytes reclaimed)``."""
+def remove_stale_temporaries(folder: str | os.PathLike, stem: str | None = None) -> tuple[int, int]:
+    """Remove :func:`stale_temporaries` of ``folder`` (of ``stem``); return ``(entries removed, bytes reclaimed)``.
+
+    What cannot be removed (a read-only folder) is left and not counted.
+    """
     freed, count = 0, 0
-    for p in stale_temporaries(folder):
-        files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
-        freed += sum(f.stat().st_size for f in files if f.exists())
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    for p in stale_temporaries(folder, stem):
+        try:
+            files = [p] if not p.is_dir() else [f for f in p.rglob("*") if f.is_file()]
+            size = sum(f.lstat().st_size for f in files)
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        except OSError:
+            continue
+        freed += size
         count += 1
     return count, freed
 

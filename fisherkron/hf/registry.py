@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from ..core.conventions import FisherkronError
-from ..env import atomic_directory, data_root, hub_offline, offline_advice, package_dir, set_offline_env
+from ..env import (atomic_directory, data_root, hub_offline, offline_advice, package_dir, remove_stale_temporaries,
+                   set_offline_env)
 
 __all__ = [
     "EMBEDDED_MODELS",
@@ -99,11 +100,17 @@ def smollm2_folder(progress: bool = False) -> Path:
     ``save_pretrained`` a GGUF-loaded model, so the state dict is copied into a
     plain ``LlamaForCausalLM`` built from the same config and saved with the
     tokenizer. The folder is written under a temporary name and moved into
-    place, so an interrupted conversion leaves nothing half-written.
+    place, so an interrupted conversion leaves nothing half-written; the temporary
+    name (``.fisherkron-tmp-<pid>-...``) of a conversion killed outright (``kill -9``) is
+    removed by the next call, once its process is gone.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     out = data_root() / "models" / "SmolLM2-135M-Instruct-fp32"
+    count, freed = remove_stale_temporaries(out.parent, out.name)  # only this conversion's
+    if count:
+        log.warning("removed %d temporary folder(s) of interrupted model conversions in %s (%.1f MB reclaimed)",
+                    count, out.parent, freed / 2**20)
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
     gguf = _embedded_file(EMBEDDED_MODELS["smollm2"])

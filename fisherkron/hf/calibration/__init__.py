@@ -26,7 +26,8 @@ module          what it holds
 ``keys``        fingerprints of the model, data, layers and loss; the cache key
 ``entry``       a cache entry: its manifest (sizes, checksums) and the reader :class:`CalibrationStats`
 ``accumulate``  one forward + backward per batch: the gradients ``G_i`` and the running sums
-``resume``      ``<key>.partial/``: checkpoints, the owner marker, Ctrl-C / SIGTERM, temporaries
+``folders``     the cache root: owner markers, abandoned folders, disk space, read-only caches
+``resume``      ``<key>.partial/``: checkpoints, the checksums of the rows they vouch for, Ctrl-C / SIGTERM
 ``ranks``       the same collection over a ``torch.distributed`` process group
 ``collect``     :func:`collect_calibration`: checks, the cache, and the one-process collection
 ==============  ==========================================================================
@@ -35,8 +36,6 @@ from .collect import collect_calibration, default_loss, split_sequences
 from .entry import GRANULARITIES, METHOD_STATS, STATS, CalibrationStats
 from .keys import CODE_VERSION, data_fingerprint, layer_fingerprint, loss_key, model_fingerprint
 from .layers import select_layers
-
-_default_loss = default_loss  # the name other modules of this package's first version imported
 
 __all__ = ["select_layers", "collect_calibration", "CalibrationStats", "CODE_VERSION", "METHOD_STATS", "GRANULARITIES",
            "STATS", "split_sequences", "default_loss", "model_fingerprint", "data_fingerprint", "layer_fingerprint",

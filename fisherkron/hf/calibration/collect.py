@@ -6,11 +6,13 @@ otherwise the batches are run (:mod:`.accumulate`) here or over a process group 
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
-import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +25,12 @@ from ...core.distributed import resolve_group
 from ...env import data_root, sigterm_as_interrupt, temporary_name
 from .accumulate import accumulate, save_statistics
 from .entry import GRANULARITIES, METHOD_STATS, STATS, CalibrationStats, read_manifest, write_manifest
+from .folders import (OWNER, PARTIAL_SUFFIX, NoSpace, no_space, owned, preallocate, read_only, reclaim,
+                      release_entry, seal, writable_root)
 from .keys import calibration_key
 from .layers import select_layers
 from .ranks import collect_on_ranks
-from .resume import PARTIAL_SUFFIX, Checkpoint, deferred_interrupts, note_other_partials, open_rows, owned, reclaim
+from .resume import Checkpoint, Rows, deferred_interrupts, drop_foreign_progress, open_rows, plan_resume
 
 __all__ = ["collect_calibration", "split_sequences", "default_loss"]
 
@@ -47,6 +51,26 @@ def split_sequences(batches) -> list[dict]:
         out += [{key: v[j:j + 1] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for key, v in b.items()}
                 for j in range(B)]
     return out
+
+
+def check_batches(batches: list) -> None:
+    """Every calibration batch must be a dict of named inputs (``str`` keys), as :func:`fisherkron.lm_batches` gives.
+
+    Tuples or lists of tensors are refused rather than guessed at: which tensor is the mask and
+    which the labels differs between models, and the default loss calls ``model(**batch)``.
+    """
+    for i, b in enumerate(batches):
+        if not isinstance(b, Mapping):
+            what = type(b).__name__
+            hint = (" (a single dict was passed as batches: pass a list of them)" if isinstance(b, str) else
+                    ": name its tensors, e.g. {'input_ids': ids, 'attention_mask': mask, 'labels': ids}"
+                    if isinstance(b, (tuple, list)) else "")
+            raise FisherkronError(f"calibration batch {i} is a {what}; batches must be dicts of tensors (e.g. from "
+                                  f"fisherkron.lm_batches or fisherkron.classification_batches){hint}")
+        bad = next((key for key in b if not isinstance(key, str)), None)
+        if bad is not None:
+            raise FisherkronError(f"calibration batch {i} has a key {bad!r} that is not a string; batches must be "
+                                  f"dicts of named tensors, the arguments of model(**batch)")
 
 
 def default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -71,7 +95,8 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     Args:
         model: a module whose ``loss_fn(model, batch)`` is a scalar loss
             (default: ``model(**batch).loss``).
-        batches: list of dicts of tensors (e.g. from :func:`fisherkron.lm_batches`).
+        batches: list of dicts of tensors (e.g. from :func:`fisherkron.lm_batches`); anything else (a
+            tuple or list of tensors) is refused in one line: name the tensors.
         layers: regex/glob pattern(s) of ``nn.Linear`` names; ``None`` = the paper's layers.
         k: use the first ``k`` batches (default: all).
         seed: recorded in the cache key (the seed that drew the batches).
@@ -99,7 +124,11 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
             its progress there (the batches done and the sums so far) at least this often and
             when it is interrupted (Ctrl-C or SIGTERM: the batch under way is finished first;
             a second signal stops at once). Run the same call again and it resumes from the
-            last batch kept; the folder becomes the cache entry when the last batch is done.
+            last batch kept, after checking the rows it resumes from (damaged batches are run
+            again; see :mod:`fisherkron.hf.calibration.resume`); the folder becomes the cache
+            entry when the last batch is done. The gradient files get their disk space up front:
+            a full disk is a one-line error at the start. A read-only cache serves the entries
+            it holds; collecting a missing one there is refused in one line.
         progress: show a tqdm bar over batches.
         group: a ``torch.distributed`` process group (or ``"auto"``: the default group when
             one is initialised with more than one process; default ``None``: this process
@@ -108,7 +137,9 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
             ``<layer>.grads.npy``; the other statistics are summed over the ranks
             (``all_reduce``), so every rank returns the global ones. The cache folder must
             be on a filesystem every rank sees; the entry is the same as one process
-            writes (up to the round-off of the sums) and is reused by any world size.
+            writes (up to the round-off of the sums) and is reused by any world size. An
+            interrupted collection resumes with the same world size (each rank from its own
+            checkpoint); another world size starts again.
 
     Returns:
         :class:`CalibrationStats` backed by files (with ``cache=False`` a private folder
@@ -133,7 +164,10 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     if granularity == "token" and grad_dtype != "float32":
         raise FisherkronError("granularity='token' stores the layers' inputs and output gradients in float32; "
                               "leave grad_dtype at 'float32'")
+    if isinstance(batches, Mapping):
+        raise FisherkronError("batches is one dict; pass a list of dicts of tensors (e.g. from fisherkron.lm_batches)")
     batches = list(batches)
+    check_batches(batches)
     if k is not None:
         check_int(k, "k", minimum=1)
         if k > len(batches):
@@ -157,28 +191,43 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     if group is not None and (grad_dtype != "float32" or granularity == "token"):
         raise FisherkronError("over a process group the gradients are stored per batch in float32; "
                               "grad_dtype and granularity='token' are single-process options for now")
+    check_positive(checkpoint_seconds, "checkpoint_seconds")
+    partial = root / f"{key}{PARTIAL_SUFFIX}"
     if group is not None:
         return collect_on_ranks(model, batches, names, modules, shapes, stats, loss_fn or default_loss, progress,
                                  key=key, config=config, root=root, final=final, cache=cache,
-                                 verify_cache=verify_cache, group=group)
-    reclaim(root)
+                                 verify_cache=verify_cache, group=group, checkpoint_seconds=checkpoint_seconds)
+    reclaim(root, partial)
     if cache:
         man = read_manifest(final, key, verify_cache)
         if man is not None:
+            if (final / OWNER).exists():  # left by an earlier version: a finished entry has no owner
+                release_entry(final)
             return CalibrationStats(final, man["layers"], man["k"], key, man["config"],
                                     tuple(man["config"]["stats"]), from_cache=True)
         if final.exists():
-            shutil.rmtree(final)
-    root.mkdir(parents=True, exist_ok=True)
+            try:
+                shutil.rmtree(final)
+            except OSError as exc:
+                raise read_only(root, cache, exc.strerror or type(exc).__name__) from None
+    writable_root(root, cache)
 
     def write(folder: Path, checkpoint: "Checkpoint | None" = None) -> dict:
         """Collect into ``folder`` and write its manifest; returns the per-layer info."""
         tokens = _collect(model, batches, names, modules, shapes, stats, loss_fn or default_loss,
                           folder, progress, grad_dtype=grad_dtype, granularity=granularity, checkpoint=checkpoint)
-        return write_manifest(folder, key, config, k, names, shapes, modules, tokens, world_size=1)
+        try:
+            return write_manifest(folder, key, config, k, names, shapes, modules, tokens, world_size=1)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space(folder, None, grad_dtype, keep=checkpoint is not None) from None
+            raise
 
     if not cache:  # a private folder, removed when the returned object is garbage-collected
-        tmp = Path(tempfile.mkdtemp(prefix=temporary_name(f"private-{key[:8]}"), dir=root))
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=temporary_name(f"private-{key[:8]}"), dir=root))
+        except PermissionError as exc:
+            raise read_only(root, cache, exc.strerror or type(exc).__name__) from None
         try:
             with sigterm_as_interrupt():
                 layer_info = write(tmp)
@@ -188,17 +237,20 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         out = CalibrationStats(tmp, layer_info, k, key, config, stats, from_cache=False)
         weakref.finalize(out, shutil.rmtree, str(tmp), True)
         return out
-    check_positive(checkpoint_seconds, "checkpoint_seconds")
-    partial = root / f"{key}{PARTIAL_SUFFIX}"
-    note_other_partials(root, partial)
-    with owned(partial), deferred_interrupts() as signals:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(owned(partial, key))
+        except OSError as exc:
+            raise read_only(root, cache, exc.strerror or type(exc).__name__) from None
+        signals = stack.enter_context(deferred_interrupts())
+        drop_foreign_progress(partial, 1)
         try:
             layer_info = write(partial, Checkpoint(partial, key, checkpoint_seconds, signals))
-        except FisherkronError:  # bad data or a bad argument: nothing of it is kept
-            shutil.rmtree(partial, ignore_errors=True)
+        except FisherkronError as exc:  # bad data or a bad argument: nothing of it is kept
+            if not (isinstance(exc, NoSpace) and exc.keep):
+                shutil.rmtree(partial, ignore_errors=True)
             raise
-        (partial / Checkpoint.FILE).unlink(missing_ok=True)
-        os.replace(partial, final)  # one rename: the entry appears whole
+        seal(partial, final)
     return CalibrationStats(final, layer_info, k, key, config, stats, from_cache=False)
 
 
@@ -223,73 +275,117 @@ def _collect(model, batches, names, modules, shapes, stats, loss_fn, out: Path, 
 
     ``grad_dtype``: how the gradients are stored (:class:`~fisherkron.core.operators.StoredGradients`);
     ``granularity="token"`` stores each layer's inputs ``X`` and output gradients ``D`` instead.
-    ``checkpoint``: resume from the batches an interrupted run kept, and keep progress.
+    ``checkpoint``: resume from the batches an interrupted run kept (checked first:
+    :func:`~.resume.plan_resume`), and keep progress.
     """
-    from ...core.operators import ENCODINGS, encode_gradient
+    from ...core.operators import ENCODINGS
 
     k = len(batches)
-    resumed = checkpoint.load() if checkpoint is not None else None
-    done, acc0, tokens0 = resumed if resumed is not None else (0, None, None)
-    if resumed is not None:
-        log.warning("resuming the calibration in %s at batch %d of %d", out, done, k)
-    grads_mm, scales, rows_mm, offset = {}, {}, {}, {}
-    if "grads" in stats and granularity == "token":
-        T = _token_count(batches)
+    per_token = "grads" in stats and granularity == "token"
+    T = _token_count(batches) if per_token else None
+    layout = {}  # the gradient files: {file: (dtype, shape)}
+    if per_token:
         for n in names:
-            rows_mm[("X", n)] = open_rows(out / f"{n}.X.npy", np.float32, (T, shapes[n][1]), done > 0)  # (T, m)
-            rows_mm[("D", n)] = open_rows(out / f"{n}.D.npy", np.float32, (T, shapes[n][0]), done > 0)  # (T, n)
-            offset[("X", n)] = offset[("D", n)] = tokens0[n] if tokens0 else 0
+            layout[f"{n}.X.npy"] = (np.float32, (T, shapes[n][1]))  # (T, m)
+            layout[f"{n}.D.npy"] = (np.float32, (T, shapes[n][0]))  # (T, n)
     elif "grads" in stats:
         for n in names:
-            grads_mm[n] = open_rows(out / f"{n}.grads.npy", ENCODINGS[grad_dtype], (k, *shapes[n]), done > 0)
-            scales[n] = np.ones(k)
-            if done > 0 and grad_dtype == "float16":
-                scales[n][:done] = np.load(out / f"{n}.grad_scales.partial.npy")[:done]
+            layout[f"{n}.grads.npy"] = (ENCODINGS[grad_dtype], (k, *shapes[n]))  # (k, n, m)
+    state, redo = plan_resume(checkpoint, layout, list(range(k)), per_token, names)
+    done = state["done"] if state is not None else 0
+    if state is not None:
+        log.warning("resuming the calibration in %s at batch %d of %d", out, done, k)
+    rows = state["rows"] if state is not None else Rows()
+    try:
+        return _fill(model, batches, names, modules, stats, loss_fn, out, progress, grad_dtype, layout, state, redo,
+                     rows, checkpoint, T)
+    except NoSpace as exc:
+        if state is not None and not exc.keep:
+            raise NoSpace(str(exc), keep=True) from None
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a statistic or a checkpoint that did not fit
+            raise no_space(out, None, grad_dtype, keep=checkpoint is not None
+                           and checkpoint.path.exists()) from None
+        raise
 
-    def store(n: str, i: int, G: torch.Tensor) -> None:
-        if n in grads_mm:
-            grads_mm[n][i], scales[n][i] = encode_gradient(G, grad_dtype)  # (n, m) into row i
+
+def _fill(model, batches, names, modules, stats, loss_fn, out: Path, progress: bool, grad_dtype: str,
+          layout: dict, state, redo: dict, rows: Rows, checkpoint: Checkpoint | None, T: int | None):
+    """:func:`_collect`'s work: open (or create and reserve) the gradient files, repair, run the batches."""
+    from ...core.operators import encode_gradient
+
+    k = len(batches)
+    done = state["done"] if state is not None else 0
+    mms, fresh = {}, set()
+    for file, (dtype, shape) in layout.items():
+        mms[file], created = open_rows(out / file, dtype, shape, keep=state is not None)
+        if created:
+            fresh.add(out / file)
+            rows.forget(file)
+    preallocate(out, [out / f for f in layout], fresh, grad_dtype)
+    scales = {}
+    if grad_dtype == "float16" and "grads" in stats:
+        for n in names:
+            scales[n] = np.ones(k)
+            kept = (state or {}).get("scales", {}).get(n)
+            if kept is not None:
+                scales[n][:done] = kept.numpy()[:done]
+    offset = {(kind, n): (state["tokens"][n] if state is not None else 0) for n in names for kind in "XD"} \
+        if T is not None else {}
+
+    def store(n: str, i: int, G: torch.Tensor, only=None) -> None:
+        file = f"{n}.grads.npy"
+        if file in mms and (only is None or i in only.get(file, ())):
+            enc, scale = encode_gradient(G, grad_dtype)  # (n, m)
+            mms[file][i] = enc
+            rows.record(file, i, i + 1, enc)
+            if n in scales:
+                scales[n][i] = scale
 
     def store_rows(kind: str, n: str, r: torch.Tensor) -> None:
-        mm, at = rows_mm[(kind, n)], offset[(kind, n)]
+        file, at = f"{n}.{kind}.npy", offset[(kind, n)]
+        mm = mms[file]
         if at + r.shape[0] > mm.shape[0]:
             raise FisherkronError(f"layer {n} saw more tokens than the batches' attention masks count; "
                                   f"granularity='token' needs one row per kept token")
-        mm[at:at + r.shape[0]] = r.cpu().numpy()
+        data = r.cpu().numpy()
+        mm[at:at + r.shape[0]] = data
+        rows.record(file, at, at + r.shape[0], data)
         offset[(kind, n)] = at + r.shape[0]
-
-    def flush() -> None:
-        for mm in list(grads_mm.values()) + list(rows_mm.values()):
-            mm.flush()
-        if grad_dtype == "float16":
-            for n, sc in scales.items():
-                np.save(out / f"{n}.grad_scales.partial.npy", sc)
 
     def after_batch(i: int, acc, tokens) -> None:
         if checkpoint is None or not checkpoint.due():
             return
-        flush()
-        checkpoint.save(i + 1, acc, tokens)
+        for mm in mms.values():
+            mm.flush()
+        checkpoint.save(i + 1, acc, tokens, rows, scales)
         if checkpoint.signals.pending is not None:
             raise KeyboardInterrupt(f"calibration stopped after batch {i + 1} of {k}; its progress is kept in "
                                     f"{out}: run the same call again to resume")
 
     try:
+        if redo:  # the damaged rows of batches done before: their gradients again, nothing added to the sums
+            again = sorted(set().union(*redo.values()))
+            accumulate(model, batches, again, names, modules, ("grads",), loss_fn,
+                       lambda n, i, G: store(n, i, G, only=redo), False)
         acc, tokens = accumulate(model, batches, range(done, k), names, modules, stats, loss_fn, store, progress,
-                                  store_rows=store_rows if rows_mm else None, acc=acc0, tokens=tokens0,
+                                  store_rows=store_rows if T is not None else None,
+                                  acc=state["acc"] if state is not None else None,
+                                  tokens=state["tokens"] if state is not None else None,
                                   after_batch=after_batch, total=k)
     finally:
-        for mm in list(grads_mm.values()) + list(rows_mm.values()):
+        for mm in mms.values():
             mm.flush()
-        grads_mm.clear()
-        rows_mm.clear()
-    short = [key for key, at in offset.items() if at != T] if offset else []
+        mms.clear()
+    short = [key for key, at in offset.items() if at != T]
     if short:
         raise FisherkronError(f"layer {short[0][1]} saw {offset[short[0]]} of {T} tokens ({short[0][0]}); "
                               f"granularity='token' needs every kept token")
-    if grad_dtype == "float16":
+    for file in layout:  # every row written in this run or checked from an earlier one: none is sealed as zeros
+        rows.require(out, file, **({"total": T} if T is not None else {"starts": range(k)}))
+    if scales:
         for n, sc in scales.items():
             np.save(out / f"{n}.grad_scales.npy", sc)
-            (out / f"{n}.grad_scales.partial.npy").unlink(missing_ok=True)
     save_statistics(acc, tokens, k, names, stats, out)
     return tokens

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from ...core.conventions import FisherkronError
-from ...core.distributed import all_or_none, broadcast_int, rank_of, resolve_group, world_of
+from ...core.distributed import all_or_none, all_reduce_, broadcast_int, rank_of, resolve_group, world_of
 from ...core.kfac import KFACFactors
 from ...core.methods import METHODS
-from ...env import atomic_write, file_checksum
+from ...env import atomic_write, file_checksum, remove_stale_temporaries
 from .keys import layer_fingerprint
 
 __all__ = ["CalibrationStats", "STATS", "GRANULARITIES", "METHOD_STATS", "read_manifest", "write_manifest"]
@@ -34,7 +34,8 @@ STATS = ("grads", "diag_fisher", "abs_mean", "xxt", "kfac")
 GRANULARITIES = ("batch", "sequence", "token")
 # what each compression method reads; K-FAC (the MFF warm start) and X X^T cost
 # about as much as the forward + backward pass itself, so collect only what is used
-METHOD_STATS = {**{name: m.needs for name, m in METHODS.items()}, "kfac": ("kfac",)}
+METHOD_STATS = {**{name: m.needs for name, m in METHODS.items()}, "kfac": ("kfac",),
+                "basis_sharing": ("xxt",)}  # Basis Sharing: the Gram sums of a group (hf.basis_sharing)
 
 
 @dataclass
@@ -138,7 +139,9 @@ class CalibrationStats:
         ``init="kfac"`` starts from the layer's K-FAC factors when they were collected (else
         from MFF's default start). The result (``A``, ``B``, ``fisher_share``, ``matvecs``,
         ``converged``) is cached in ``<dir>/mff/`` under a key of the options, written
-        atomically and recomputed if it cannot be read.
+        atomically with a checksum of its contents, of this entry's key, the layer and the
+        options (:func:`_factors_check`); a file that cannot be read or fails it (changed, or
+        copied from another entry) is recomputed with a warning.
 
         ``group``: data-parallel MFF (see :func:`fisherkron.mff`): every rank of the process
         group calls this; rank ``p`` reads the gradients of its batches ``i % world == p``,
@@ -153,38 +156,54 @@ class CalibrationStats:
         f = self.dir / "mff" / f"{name}.{tag}.pt"
         group = resolve_group(group)
         if group is not None:
-            return self._kronecker_on_ranks(name, f, start, device, group, mff_options)
-        if f.exists():
-            try:
-                return torch.load(f, weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - any unreadable cache file is recomputed
-                log.warning("cached MFF factors %s are unreadable (%s); recomputing", f, exc)
+            return self._kronecker_on_ranks(name, f, tag, start, device, group, mff_options)
+        cached = self._read_factors(f, name, tag)
+        if cached is not None:
+            return cached
         from ...core.factorization import mff
 
         res = mff(self.gradients(name), init=start, device=device, name=name, **mff_options)
         out = {"A": res.A.cpu(), "B": res.B.cpu(), "fisher_share": float(res.fisher_share),
                "matvecs": int(res.matvecs), "converged": bool(res.converged)}
-        try:
-            atomic_write(f, lambda t: torch.save(out, t))
-        except OSError as exc:  # a read-only cache still works, only slower
-            log.warning("could not keep the MFF factors in %s (%s)", f.parent, exc)
+        self._keep_factors(f, name, tag, out)
         return out
 
-    def _kronecker_on_ranks(self, name: str, f: Path, start, device, group, mff_options: dict) -> dict:
+    def _read_factors(self, f: Path, name: str, tag: str) -> dict | None:
+        """The cached factors in ``f`` if they pass their checksum, else ``None`` (with a warning)."""
+        if not f.exists():
+            return None
+        try:
+            got = torch.load(f, weights_only=True)
+            check = got.pop("check", None)
+            if check is None:
+                raise ValueError("it carries no checksum (an earlier version wrote it)")
+            if check != _factors_check(self.key, name, tag, got):
+                raise ValueError("it fails its checksum (changed since, or not this entry's)")
+            return got
+        except Exception as exc:  # noqa: BLE001 - any unreadable or unverified cache file is recomputed
+            log.warning("cached MFF factors %s: %s; recomputing", f, str(exc).splitlines()[0] if str(exc) else
+                        type(exc).__name__)
+            return None
+
+    def _keep_factors(self, f: Path, name: str, tag: str, out: dict) -> None:
+        saved = {**out, "check": _factors_check(self.key, name, tag, out)}
+        try:
+            remove_stale_temporaries(f.parent)  # of writes killed outright
+            atomic_write(f, lambda t: torch.save(saved, t))
+        except OSError as exc:  # a read-only cache still works, only slower
+            log.warning("could not keep the MFF factors in %s (%s)", f.parent, exc)
+
+    def _kronecker_on_ranks(self, name: str, f: Path, tag: str, start, device, group, mff_options: dict) -> dict:
         """:meth:`kronecker` over a process group: rank 0 decides whether ``f`` is reused, all ranks run MFF."""
         from ...core.factorization import mff
 
         rank, world = rank_of(group), world_of(group)
-        cached = None
-        if rank == 0 and f.exists():
-            try:
-                cached = torch.load(f, weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - any unreadable cache file is recomputed
-                log.warning("cached MFF factors %s are unreadable (%s); recomputing", f, exc)
+        cached = self._read_factors(f, name, tag) if rank == 0 else None
         if broadcast_int(cached is not None, group):
-            with all_or_none(group, f"reading the MFF factors of {name}"):
-                out = cached if rank == 0 else torch.load(f, weights_only=True)
-            return out
+            out = cached if rank == 0 else self._read_factors(f, name, tag)  # every rank checks what it reads
+            failed = all_reduce_(torch.tensor([float(out is None)], dtype=torch.float64), group)
+            if not failed.item():
+                return out
         local = None
         if self.grad_dtype != "float32" or self.granularity == "token":
             raise FisherkronError(f"data-parallel MFF reads float32 per-batch gradients; these are "
@@ -195,10 +214,7 @@ class CalibrationStats:
         out = {"A": res.A.cpu(), "B": res.B.cpu(), "fisher_share": float(res.fisher_share),
                "matvecs": int(res.matvecs), "converged": bool(res.converged)}
         if rank == 0:
-            try:
-                atomic_write(f, lambda t: torch.save(out, t))
-            except OSError as exc:  # a read-only cache still works, only slower
-                log.warning("could not keep the MFF factors in %s (%s)", f.parent, exc)
+            self._keep_factors(f, name, tag, out)
         return out
 
     def kfac(self, name: str) -> KFACFactors:
@@ -208,6 +224,22 @@ class CalibrationStats:
         return KFACFactors(A, self._load(name, "ddt") / self.k)
 
 
+
+
+def _factors_check(key: str, name: str, tag: str, factors: dict) -> str:
+    """Checksum of cached MFF factors: their tensors and numbers, the entry's key, the layer and the options' tag."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(json.dumps([key, name, tag]).encode())
+    for field in sorted(factors):
+        v = factors[field]
+        h.update(field.encode())
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()
 
 
 def read_manifest(path: Path, key: str, verify: bool) -> dict | None:
