@@ -27,6 +27,7 @@ from tiny_models import tiny_bert, tiny_llama
 
 import fisherkron.hf as api
 import fisherkron.hf.saving as saving
+import fisherkron.hf.transaction as transaction
 from fisherkron.cli import main
 from fisherkron.core.conventions import FisherkronError
 from fisherkron.core.lowrank import LowRankLinear
@@ -236,7 +237,7 @@ def test_an_interrupted_undo_is_finished_by_the_next_load(earlier, monkeypatch):
 
             def no_undo(*a, **kw):
                 raise OSError(errno.EIO, "I/O error")  # as if the process died before it could undo
-            m.setattr(saving, "_settle", no_undo)
+            m.setattr(transaction, "_settle", no_undo)
             try:
                 save_compressed(model2, out, overwrite=True)
             except FisherkronError as err:
@@ -276,6 +277,18 @@ def test_a_killed_save_is_undone_by_the_next_load(earlier, tmp_path):
     assert _snapshot(out) != before  # half swapped
     _assert_same_weights(load_compressed(out), model)
     assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask-022", "umask-077"])
+def test_the_files_of_a_save_get_the_permissions_the_umask_gives(umask, tmp_path):
+    """Not safetensors' 0600: with umask 022 other users of a shared machine can read a save."""
+    old = os.umask(umask)
+    try:
+        out = save_compressed(_compressed(), tmp_path / "out", tokenizer=_tokenizer())
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
 
 
 def test_a_running_save_is_respected_and_a_dead_ones_leftovers_reclaimed(earlier):

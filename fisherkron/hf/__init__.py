@@ -14,6 +14,7 @@ module             what it holds
 ``basis_sharing``  Basis Sharing (Wang et al. 2024): cross-layer shared bases, a Sec. 6.3 baseline
 ``speed``          FLOPs of a forward pass (analytic, and counted on a meta copy); measured layer speed
 ``saving``         ``save_compressed`` / ``load_compressed``: safetensors folders
+``transaction``    all-or-nothing replacement of a folder's files (mount points too): journal, commit, undo
 ``evaluate``       perplexity, GLUE-style metrics, lm-eval tasks
 ``lm_eval_tasks``  local lm-eval task folders built from packaged data
 =================  ======================================================================

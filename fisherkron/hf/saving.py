@@ -8,30 +8,23 @@ Two forms, both written by :func:`save_compressed`:
   ``transformers`` cannot build ``LowRankLinear`` layers and would initialise them at
   random, so ``config.json`` names the model type ``fisherkron-compressed ...``: plain
   ``AutoModel*.from_pretrained`` refuses the folder with a message that names
-  :func:`load_compressed`, which restores the real model type and rebuilds the layers.
+  :func:`load_compressed`, which restores the real model type and rebuilds the layers. A
+  ``SharedBasisLinear`` group stores its shared ``W_1`` once, under its first layer.
 * **merged** (``merged=True``): each ``W_2 W_1`` multiplied back into a dense weight, a
   plain Hugging Face folder any tool loads correctly (no parameter saving on disk).
 
 Beside them, ``fisherkron.json`` (the manifest) records the method, every factorised layer
-(``n``, ``m``, ``r``, bias), the compression report, provenance, and the size and checksum
-of every file the package wrote.
+(``n``, ``m``, ``r``, bias, the owner of a shared basis), the compression report,
+provenance, and the size and checksum of every file the package wrote.
 
 What is guaranteed (tests/test_saving_safety.py):
 
-* **A save works in any writable folder, a mount point included, and is all or nothing.**
-  Every file is written into a temporary folder *inside* the target (``.fisherkron-tmp-
-  <pid>-save-*``: same file system, so no folder is ever renamed onto the target or across
-  its parent), fsynced, then moved into place one by one, each file of the earlier save
-  with the same name kept aside; replacing ``fisherkron.json`` (one ``os.replace`` within
-  the folder) is the commit: before it the folder's manifest is the earlier save's, after
-  it the new one's. Only then are the earlier save's files the new manifest does not list
-  deleted. An error at any step (a full disk, a failing rename, an interrupt) puts the
-  earlier save back bit for bit before the error is raised; a process killed mid-save
-  leaves the temporary folder with a journal, from which the next :func:`save_compressed`
-  or :func:`load_compressed` of that folder restores the earlier save (or finishes the new
-  one, had its manifest been committed). A running save holds a lock in its temporary
-  folder, so a second save into the same folder is refused while it runs, and a dead one's
-  leftovers are recognised however its process id was reused.
+* **A save is all or nothing, in any writable folder (a mount point too).** The files are
+  replaced by :mod:`fisherkron.hf.transaction`: written into a temporary folder inside the
+  target, moved in with the earlier save's files set aside, committed by replacing
+  ``fisherkron.json``; an error puts the earlier save back bit for bit, and a save a killed
+  process left is finished or undone by the next :func:`save_compressed` or
+  :func:`load_compressed` of that folder. The files get the permissions the umask gives.
 * **Nothing the package did not write is replaced or deleted.** Saving onto an earlier save
   needs ``overwrite=True`` and replaces or removes only files its ``fisherkron.json`` lists.
   A file of the user's under a name a model folder uses (:data:`MODEL_FILES`, e.g. a
@@ -51,15 +44,12 @@ What is guaranteed (tests/test_saving_safety.py):
 """
 from __future__ import annotations
 
-import errno
 import fnmatch
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,12 +58,8 @@ from torch import nn
 from ..core.conventions import FisherkronError
 from ..core.basis_sharing import SharedBasisLinear
 from ..core.lowrank import LowRankLinear
-from ..env import TMP_PREFIX, file_checksum, stale_temporaries, temporary_name
-
-try:
-    import fcntl
-except ImportError:  # Windows: a save's liveness falls back to its process id
-    fcntl = None
+from ..env import TMP_PREFIX, file_checksum, temporary_name
+from . import transaction
 
 __all__ = ["save_compressed", "load_compressed", "merge_lowrank", "check_destination", "check_free_space",
            "MANIFEST", "FORMAT", "MODEL_FILES"]
@@ -92,13 +78,6 @@ MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safe
                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken", "chat_template.jinja",
                "chat_template.json", "preprocessor_config.json", "processor_config.json")
-#: Entries of a fresh file system's root (a mount point) that do not make a folder non-empty.
-_SYSTEM_ENTRIES = ("lost+found",)
-#: Free space the small files (configs, manifest) may take beyond the weights.
-_SMALL_FILES = 1 << 16
-# the layout of a save's temporary folder: the lock a running save holds, the new files, the
-# earlier save's files moved aside, and the journal that says how to finish or undo the swap
-_STAGE, _LOCK, _NEW, _OLD, _JOURNAL = "save", "lock", "new", "old", "journal.json"
 
 
 # ----------------------------------------------------------------------------- the manifest
@@ -179,27 +158,6 @@ def _is_model_file(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in MODEL_FILES)
 
 
-def _nearest_existing(path: Path) -> Path:
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def _probe_writable(out: Path) -> None:
-    """Create and remove a file where the save will write (read-only mounts, ACLs and quotas can't fool this test)."""
-    p = _nearest_existing(out)
-    if not p.is_dir():
-        raise FisherkronError(f"cannot create {out}: {p} is a file, not a folder")
-    try:
-        fd, name = tempfile.mkstemp(prefix=temporary_name("probe"), dir=p)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as exc:
-        raise FisherkronError(f"cannot write to {out}: {p} is not writable ({exc.strerror or exc}); "
-                              f"choose a writable folder") from None
-
-
 def check_destination(directory, *, overwrite: bool = False) -> Path:
     """Where :func:`save_compressed` may write, checked before any work; raises a one-line error.
 
@@ -207,31 +165,11 @@ def check_destination(directory, *, overwrite: bool = False) -> Path:
     earlier fisherkron save with ``overwrite=True`` whose other files (the user's) have no
     name a save or a model loader uses (:data:`MODEL_FILES`). The folder (or the nearest
     existing parent) must be writable, which is tested by writing a file. A save interrupted
-    by a killed process is finished or undone first (see the module docstring); a running
-    save into the same folder is refused.
+    by a killed process is finished or undone first (see :mod:`fisherkron.hf.transaction`);
+    a running save into the same folder is refused.
     """
-    out = Path(directory)
-    if out.exists() and not out.is_dir():
-        raise FisherkronError(f"{out} is a file, not a folder; choose a folder to save the model in")
-    _probe_writable(out)
-    if not out.is_dir():
-        return out
-    _settle_interrupted(out)
-    entries = [p.name for p in out.iterdir()
-               if p.name not in _SYSTEM_ENTRIES and not p.name.startswith(TMP_PREFIX)]
-    if not entries:
-        return out
-    if MANIFEST not in entries:
-        raise FisherkronError(f"{out} is not a fisherkron folder (it holds files fisherkron did not write); "
-                              f"choose a new or empty folder")
-    if not overwrite:
-        raise FisherkronError(f"{out} already holds a fisherkron save; pass overwrite=True (--overwrite) "
-                              f"to replace the files fisherkron wrote there (other files are kept)")
-    ours = _earlier_files(out)
-    clash = sorted(n for n in entries if n != MANIFEST and n not in ours and _is_model_file(n))
-    if clash:
-        raise _users_files(out, clash)
-    return out
+    return transaction.check_destination(directory, MANIFEST, _earlier_files, overwrite=overwrite,
+                                         reserved=MODEL_FILES)
 
 
 def _earlier_files(out: Path) -> dict[str, dict]:
@@ -242,13 +180,6 @@ def _earlier_files(out: Path) -> dict[str, dict]:
         raise FisherkronError(f"{out} cannot be overwritten safely ({str(err).split('; ')[0]}): fisherkron cannot "
                               f"tell the files it wrote from yours; move what you want to keep elsewhere, empty "
                               f"the folder and save again") from None
-
-
-def _users_files(out: Path, names: list[str]) -> FisherkronError:
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return FisherkronError(f"{out} holds {shown}, which fisherkron did not write, under names a saved model uses "
-                           f"(the save would replace them, and tools loading the folder would read them); "
-                           f"move them out of the folder or choose another folder, then save again")
 
 
 def _saved_bytes(model: nn.Module, *, merged: bool = False) -> int:
@@ -268,30 +199,13 @@ def _saved_bytes(model: nn.Module, *, merged: bool = False) -> int:
     return total
 
 
-def _size(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def check_free_space(directory, need: int) -> None:
     """One-line error unless the file system of ``directory`` has ``need`` bytes (plus the small files) free.
 
     An overwrite keeps the earlier save until the new one is complete, so the new save needs
     its whole size free beside it.
     """
-    p = _nearest_existing(Path(directory))
-    try:
-        free = shutil.disk_usage(p).free
-    except OSError:  # unknowable here: the save reports a full disk if it meets one
-        return
-    if free < need + _SMALL_FILES:
-        earlier = (Path(directory) / MANIFEST).exists()
-        kept = " (the earlier save there is kept until the new one is complete)" if earlier else ""
-        raise FisherkronError(f"{directory} has {_size(free)} free, but the save needs about "
-                              f"{_size(need + _SMALL_FILES)}{kept}; free some space or choose another folder")
+    transaction.check_free_space(directory, need, MANIFEST)
 
 
 # ----------------------------------------------------------------------------- saving
@@ -399,10 +313,10 @@ def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        _swap_in(out, write)
+        transaction.swap_in(out, write, MANIFEST, _earlier_files)
     except (OSError, SafetensorError) as exc:
         what = "nothing was saved" if created else "the folder is as it was before"
-        raise FisherkronError(f"saving to {out} failed ({_reason(exc)}); {what}") from None
+        raise FisherkronError(f"saving to {out} failed ({transaction.reason(exc)}); {what}") from None
     finally:
         if created and out.is_dir() and not any(out.iterdir()):
             try:
@@ -410,209 +324,6 @@ def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
             except OSError:
                 pass
     return out
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _swap_in(out: Path, write: Callable[[Path], None]) -> None:
-    """Write a save with ``write(folder)`` and make it ``out``'s, with ``fisherkron.json``'s rename as the commit.
-
-    ``out`` holds nothing (or a save whose manifest lists its files). Every step before the
-    commit is undone on an error; a crash is undone (or finished) from the journal by
-    :func:`_settle_interrupted`.
-    """
-    earlier = _earlier_files(out) if (out / MANIFEST).exists() else {}
-    stage = Path(tempfile.mkdtemp(prefix=temporary_name(_STAGE), dir=out))
-    lock, committed, settled = None, False, False
-    try:
-        lock = _hold_lock(stage / _LOCK)
-        new, old = stage / _NEW, stage / _OLD
-        new.mkdir()
-        old.mkdir()
-        write(new)
-        names = sorted(f.name for f in new.iterdir() if f.name != MANIFEST)
-        clash = [n for n in names if os.path.lexists(out / n) and (n not in earlier or (out / n).is_dir())]
-        if clash:
-            raise _users_files(out, clash)
-        for f in new.iterdir():
-            _fsync(f)
-        journal = {"old_manifest": file_checksum(out / MANIFEST) if earlier else None,
-                   "new_manifest": file_checksum(new / MANIFEST), "names": names,
-                   "existed": [n for n in names if (out / n).exists()],
-                   "remove": sorted(n for n in earlier if n not in names)}
-        try:
-            _write_journal(stage, journal)
-            for n in names:
-                if n in journal["existed"]:
-                    os.replace(out / n, old / n)  # the earlier save's file, kept aside until the commit
-                os.replace(new / n, out / n)
-            _fsync(out)
-            os.replace(new / MANIFEST, out / MANIFEST)  # the commit: from here on the folder is the new save
-        except BaseException:
-            _settle(out, stage, journal)  # undo (or finish, had the commit gone through)
-            settled = True
-            raise
-        committed = True
-        try:
-            _fsync(out)
-            _settle(out, stage, journal)  # remove the files the new manifest does not list
-            settled = True
-        except OSError as exc:  # the new save is complete; the next save or load of it finishes the clean-up
-            log.warning("%s is saved, but cleaning up failed (%s); the next save or load of it finishes that",
-                        out, _reason(exc))
-    except BaseException as exc:
-        if not committed and not settled:
-            if (stage / _JOURNAL).exists():  # undoing failed: the earlier save's files are in the stage
-                raise FisherkronError(f"saving to {out} failed ({_reason(exc)}) and the earlier save could not be "
-                                      f"put back yet: it is kept in {stage.name}, and the next save_compressed or "
-                                      f"load_compressed of {out} restores it") from None
-            settled = True  # nothing was moved: the stage holds only new files
-        raise
-    finally:
-        _release_lock(lock)
-        if settled:
-            shutil.rmtree(stage, ignore_errors=True)
-
-
-def _settle(out: Path, stage: Path, journal: dict) -> None:
-    """Finish a swap whose commit went through, or undo one whose did not; then drop ``stage``."""
-    cur = file_checksum(out / MANIFEST) if (out / MANIFEST).is_file() else None
-    if cur == journal["new_manifest"]:  # committed: remove what the new manifest does not list
-        for n in journal["remove"]:
-            (out / n).unlink(missing_ok=True)
-    elif cur == journal["old_manifest"]:  # not committed: the earlier save's files back into place
-        for n in reversed(journal["names"]):
-            if (stage / _OLD / n).exists():
-                os.replace(stage / _OLD / n, out / n)
-            elif n not in journal["existed"]:
-                (out / n).unlink(missing_ok=True)
-    else:
-        raise FisherkronError(f"{stage} holds an interrupted save of {out}, whose {MANIFEST} has changed since; "
-                              f"compare them, keep what you need and delete {stage.name}")
-    # the journal goes before the lock: a half-removed stage is still recognised, and settled again, as a dead save's
-    for sub in (_NEW, _OLD):
-        if (stage / sub).exists():
-            shutil.rmtree(stage / sub)
-    for name in (_JOURNAL + ".tmp", _JOURNAL, _LOCK):
-        (stage / name).unlink(missing_ok=True)
-    stage.rmdir()
-
-
-def _settle_interrupted(out: Path, *, loading: bool = False) -> None:
-    """Finish or undo every save into ``out`` that a killed process left; refuse a running one.
-
-    A save runs while it holds the lock in its temporary folder (the kernel releases it when
-    the process dies, so a reused process id cannot keep it); where locks are unavailable,
-    while its process lives (:func:`fisherkron.env.stale_temporaries`). Loading leaves a
-    save that is still writing its files alone (the earlier save is intact meanwhile) and
-    refuses one that is swapping them in.
-    """
-    dead = set(stale_temporaries(out))
-    for p in sorted(out.iterdir()):
-        if not p.name.startswith(TMP_PREFIX):
-            continue
-        journal = p / _JOURNAL
-        if not p.is_dir():  # the writability probe's file
-            if p in dead:
-                try:
-                    p.unlink()
-                except OSError:  # a read-only folder: the leftover is harmless
-                    pass
-            continue
-        if _is_running(p, p not in dead):
-            if not loading:
-                raise FisherkronError(f"another save into {out} is running (process {_pid_of(p)}); wait for "
-                                      f"it to finish, or, if none is, delete {p}")
-            if journal.exists():
-                raise FisherkronError(f"a save into {out} is swapping its files in (process {_pid_of(p)}); "
-                                      f"load the folder when it has finished")
-            continue
-        try:
-            if journal.exists():
-                _settle(out, p, json.loads(journal.read_text()))
-                log.warning("%s: the save that process %s left unfinished was finished or undone; the folder "
-                            "holds the last complete save", out, _pid_of(p))
-            else:
-                shutil.rmtree(p)
-        except FisherkronError:
-            raise
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            if journal.exists():
-                raise FisherkronError(f"an interrupted save left {p} ({_reason(exc)}); open {out} once with "
-                                      f"write access (save_compressed or load_compressed restores the earlier "
-                                      f"save from it)") from None
-
-
-def _pid_of(p: Path) -> str:
-    return p.name[len(TMP_PREFIX):].split("-", 1)[0]
-
-
-def _hold_lock(path: Path):
-    """Open ``path`` and hold an exclusive lock on it while the save runs (the kernel drops it if the process dies)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    if fcntl is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # a file system without locks: liveness falls back to the process id
-            pass
-    return fd
-
-
-def _release_lock(fd) -> None:
-    if fd is None:
-        return
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
-def _is_running(p: Path, alive: bool) -> bool:
-    """Whether the save that made ``p`` still runs: its lock is held; where locks do not work, ``alive``."""
-    lock = p / _LOCK
-    if fcntl is not None and lock.is_file():
-        try:
-            fd = os.open(lock, os.O_RDWR)
-        except OSError:
-            return alive
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return False  # nobody holds it: the writer is gone
-        except BlockingIOError:
-            return True
-        except OSError:  # no locks on this file system
-            return alive
-        finally:
-            os.close(fd)
-    return alive
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file (or a folder's entries) to the disk; a file system that cannot is left as it is."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _write_journal(stage: Path, journal: dict) -> None:
-    tmp = stage / (_JOURNAL + ".tmp")
-    tmp.write_text(json.dumps(journal))
-    _fsync(tmp)
-    os.replace(tmp, stage / _JOURNAL)
-    _fsync(stage)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -688,7 +399,7 @@ def load_compressed(directory, *, dtype: torch.dtype | None = None, return_token
     d = Path(directory)
     if not d.is_dir():
         raise FisherkronError(f"{d} is not a folder")
-    _settle_interrupted(d, loading=True)
+    transaction.settle_interrupted(d, MANIFEST, loading=True)
     if not (d / MANIFEST).exists():
         raise FisherkronError(f"{d} has no {MANIFEST}; it was not written (completely) by "
                               f"fisherkron.save_compressed")
