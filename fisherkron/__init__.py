@@ -33,7 +33,7 @@ if "torch" not in sys.modules:
 
 from .core import (METHODS, MIN_ALPHA, Factors, FisherkronError, GradientStack, KFACFactors,
                    LowRankLinear, Method, MFFResult, RearrangedFisher, Regularized, asvd,
-                   compression_ratio, factorize_weight, fisher_weighted_error, fwsvd, gfwsvd,
+                   compression_ratio, factorize_weight, fisher_weighted_error, fwsvd, fwsvd_rows, gfwsvd,
                    kfac_factors, kron, kronecker_terms, lowrank_params, matvec_flops, mff,
                    rank_for_ratio, rearranged_fisher, regularize, shared_basis, SharedBasisLinear,
                    svd, svd_llm, unvec, vec, weighted_svd)
@@ -56,7 +56,7 @@ __all__ = [
     "mff", "MFFResult", "kronecker_terms",
     "kfac_factors", "KFACFactors",
     "regularize", "Regularized", "MIN_ALPHA",
-    "weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
+    "weighted_svd", "gfwsvd", "svd", "fwsvd", "fwsvd_rows", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
     "METHODS", "Method", "factorize_weight",
     "LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio",
     "shared_basis", "SharedBasisLinear",

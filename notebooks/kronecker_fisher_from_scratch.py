@@ -19,7 +19,8 @@
 # $\mathcal R(F)$ (Van Loan & Pitsianis), which MFF (Algorithm 1) finds without forming $F$;
 # (ii) a Kronecker-structured curvature is exactly the Hessian of a matrix-variate normal
 # log-likelihood; (iii) under it the best rank-$r$ compression of the weight is the weighted SVD
-# of Theorem 1 (GFWSVD); and (iv) FWSVD is the special case $A = I$, $B$ diagonal (Appendix E).
+# of Theorem 1 (GFWSVD); and (iv) FWSVD is a special case: $A = I$, $B$ diagonal as Appendix E
+# states it, or $A$ diagonal, $B = I$ as the public FWSVD code (and `fk.fwsvd`) runs it.
 #
 # **How to read.** Everything is done on a layer with $n = 4$ outputs and $m = 3$ inputs, small
 # enough to write every matrix down in float64. Each section states a fact in LaTeX and the code
@@ -320,16 +321,22 @@ print(f"Fisher-weighted error at rank {rank}: GFWSVD {err_opt:.4e}  SVD {err_svd
       f"best of {len(P)} random {float(errs.min()):.4e}  best local optimum {best_local:.4e}")
 
 # %% [markdown]
-# ## 6. FWSVD is the special case $A = I$, $B$ diagonal (Appendix E)
+# ## 6. FWSVD is a special case: a diagonal factor on one side, the identity on the other (Appendix E)
 #
 # Restrict the Kronecker approximation to $I_m \otimes \tilde D$ with $\tilde D$ diagonal. The
 # least-squares problem $\min_d \lVert F - I_m\otimes \mathrm{diag}(d)\rVert_F$ is linear in $d$
 # and its solution is
 # $$d = \tfrac1m\,\mathrm{diag}\big(\mathbb E[GG^\top]\big),\qquad
 # \mathbb E[GG^\top] = \tfrac1k\textstyle\sum_i G_iG_i^\top ,$$
-# i.e. $\tilde D = D^2/m$ with FWSVD's $D_{ii} = \sqrt{\sum_j \mathbb E[G_{ij}^2]}$. Theorem 1 with
-# $A = I$, $B = \tilde D$ gives $\widehat W_r = D^{-1}\mathrm{SVD}_r(DW)$: the scale $1/m$ cancels, so
-# this *is* FWSVD. With $A = I$, $B = I$ it is plain SVD.
+# i.e. $\tilde D = D^2/m$ with $D_{ii} = \sqrt{\sum_j \mathbb E[G_{ij}^2]}$. Theorem 1 with
+# $A = I$, $B = \tilde D$ gives $\widehat W_r = D^{-1}\mathrm{SVD}_r(DW)$: the scale $1/m$ cancels. This
+# is FWSVD as Appendix E states it, weighting the output rows (`fk.fwsvd_rows`).
+#
+# The FWSVD code the paper's numbers came from (the authors' BERT code, ASVD4LLM's Fisher scaling)
+# weights the *input columns* instead. It is the mirror case: $\mathrm{diag}(c) \otimes I_n$ with
+# $c = \tfrac1n\,\mathrm{diag}\big(\mathbb E[G^\top G]\big)$, $c_j = \tfrac1n\sum_i \mathbb E[G_{ij}^2]$, and
+# Theorem 1 with $A = \mathrm{diag}(c)$, $B = I$ gives $\widehat W_r = \mathrm{SVD}_r(WC)\,C^{-1}$,
+# $C_{jj} = \sqrt{\sum_i \mathbb E[G_{ij}^2]}$: this is `fk.fwsvd`. With $A = I$, $B = I$ it is plain SVD.
 
 # %%
 basis = torch.stack([fk.vec(fk.kron(torch.eye(m, dtype=f64), torch.diag(e))) for e in torch.eye(n, dtype=f64)])
@@ -337,12 +344,19 @@ d_ls = torch.linalg.lstsq(basis.T, fk.vec(F)[:, None]).solution[:, 0]  # (n,): l
 EGGt = torch.einsum("kim,kjm->ij", G, G) / k  # (n, n): E[G G^T]
 assert close(d_ls, torch.diagonal(EGGt) / m), "d = diag(E[G G^T]) / m"
 assert close(torch.diagonal(EGGt), (G * G).mean(0).sum(1)), "diag(E[G G^T])_i = sum_j E[G_ij^2]"
+basis_in = torch.stack([fk.vec(fk.kron(torch.diag(e), torch.eye(n, dtype=f64))) for e in torch.eye(m, dtype=f64)])
+c_ls = torch.linalg.lstsq(basis_in.T, fk.vec(F)[:, None]).solution[:, 0]  # (m,): least squares over c
+assert close(c_ls, (G * G).mean(0).sum(0) / n), "c = diag(E[G^T G]) / n"
 for r in range(1, min(n, m) + 1):
-    W_fw = torch.matmul(*fk.fwsvd(W, (G * G).mean(0), r))
+    W_rows = torch.matmul(*fk.fwsvd_rows(W, (G * G).mean(0), r))
     W_gdiag = torch.matmul(*fk.gfwsvd(W, torch.eye(m, dtype=f64), torch.diag(d_ls), r))
+    W_cols = torch.matmul(*fk.fwsvd(W, (G * G).mean(0), r))
+    W_gcols = torch.matmul(*fk.gfwsvd(W, torch.diag(c_ls), torch.eye(n, dtype=f64), r))
     W_svd = torch.matmul(*fk.svd(W, r))
     W_gid = torch.matmul(*fk.gfwsvd(W, torch.eye(m, dtype=f64), torch.eye(n, dtype=f64), r))
-    assert close(W_gdiag, W_fw, dict(rtol=1e-9, atol=1e-12)), f"GFWSVD(I, D~) = FWSVD at rank {r}"
+    assert close(W_gdiag, W_rows, dict(rtol=1e-9, atol=1e-12)), f"GFWSVD(I, D~) = FWSVD (App. E) at rank {r}"
+    assert close(W_gcols, W_cols, dict(rtol=1e-9, atol=1e-12)), f"GFWSVD(C~, I) = FWSVD (its code) at rank {r}"
     assert close(W_gid, W_svd, dict(rtol=1e-9, atol=1e-12)), f"GFWSVD(I, I) = SVD at rank {r}"
-print("FWSVD = GFWSVD(A=I, B=diag(E[GG^T])/m) and SVD = GFWSVD(I, I) at every rank")
+print("FWSVD (App. E) = GFWSVD(I, diag(E[GG^T])/m), FWSVD (its code) = GFWSVD(diag(E[G^T G])/n, I), "
+      "SVD = GFWSVD(I, I) at every rank")
 print(f"all checks passed in {time.perf_counter() - started:.1f} s")

@@ -50,8 +50,11 @@ def test_theorem1_no_other_rank_r_matrix_does_better(n, m):
     rivals = {}
     S2, S1 = fk.svd(W, r)
     rivals["svd"] = S2 @ S1
-    F2, F1 = fk.fwsvd(W, torch.diagonal(B), r)
+    # the two FWSVD forms with the diagonals of A and B as their weights (diag_fisher with those sums)
+    F2, F1 = fk.fwsvd(W, torch.diagonal(A)[None, :].expand(n, m) / n, r)
     rivals["fwsvd"] = F2 @ F1
+    F2, F1 = fk.fwsvd_rows(W, torch.diagonal(B)[:, None].expand(n, m) / m, r)
+    rivals["fwsvd_rows"] = F2 @ F1
     # the transposed Cholesky product of a public reimplementation: L_B W L_A^T
     U, S, Vh = torch.linalg.svd(LB @ W @ LA.T)
     Wt = (U[:, :r] * S[:r]) @ Vh[:r]
@@ -74,8 +77,8 @@ def test_theorem1_no_other_rank_r_matrix_does_better(n, m):
 
 
 @pytest.mark.parametrize("n,m", SHAPES)
-def test_fwsvd_is_gfwsvd_with_identity_and_diagonal(n, m):
-    """Appendix E: the best I_m (x) D~ fit has d = diag(E[G G^T]) / m; GFWSVD with it is FWSVD."""
+def test_fwsvd_rows_is_gfwsvd_with_identity_and_diagonal(n, m):
+    """Appendix E: the best I_m (x) D~ fit has d = diag(E[G G^T]) / m; GFWSVD with it is App. E's FWSVD (rows)."""
     g = torch.Generator().manual_seed(5 + n)
     G = torch.randn(12, n, m, generator=g, dtype=torch.float64) * torch.rand(n, 1, generator=g, dtype=torch.float64)
     W = torch.randn(n, m, generator=g, dtype=torch.float64)
@@ -88,15 +91,17 @@ def test_fwsvd_is_gfwsvd_with_identity_and_diagonal(n, m):
     fisher_rows = (G ** 2).mean(0).sum(1)  # sum_j E[G_ij^2]
     torch.testing.assert_close(d, fisher_rows / m, **FLOAT64)
     for r in (1, 3):
-        F2, F1 = fk.fwsvd(W, fisher_rows, r)
+        F2, F1 = fk.fwsvd_rows(W, (G ** 2).mean(0), r)
         G2, G1 = fk.gfwsvd(W, torch.eye(m, dtype=torch.float64), torch.diag(d), r)
         torch.testing.assert_close(F2 @ F1, G2 @ G1, **FLOAT64)
-        # and FWSVD minimises ||D (W - Wr)||_F with D = diag(sqrt(fisher_rows))
+        # and it minimises ||D (W - Wr)||_F with D = diag(sqrt(fisher_rows))
         D = fisher_rows.sqrt()[:, None]
         S = torch.linalg.svdvals(D * W)
         want = float((S[r:] ** 2).sum())
         assert abs(float((D * (W - F2 @ F1)).norm() ** 2) - want) <= F64_REL * max(want, 1.0)
-    torch.testing.assert_close(fk.fwsvd(W, (G ** 2).mean(0), 2)[0], fk.fwsvd(W, fisher_rows, 2)[0], **FLOAT64)
+    # it reads the diagonal Fisher only through its row sums
+    same_rows = fisher_rows[:, None].expand(n, m) / m
+    torch.testing.assert_close(fk.fwsvd_rows(W, (G ** 2).mean(0), 2)[0], fk.fwsvd_rows(W, same_rows, 2)[0], **FLOAT64)
 
 
 @pytest.mark.parametrize("n,m", SHAPES)
@@ -143,7 +148,10 @@ def test_weighted_svd_general_weights_equal_gfwsvd():
     (lambda W, A, B: fk.gfwsvd(torch.full_like(W, float("nan")), A, B, 2), "NaN/inf"),
     (lambda W, A, B: fk.gfwsvd(W, A * float("inf"), B, 2), "NaN/inf"),
     (lambda W, A, B: fk.svd(W, 2.5), "rank must be an integer"),
-    (lambda W, A, B: fk.fwsvd(W, -torch.ones(7), 2), "non-negative"),
+    (lambda W, A, B: fk.fwsvd(W, -torch.ones(7, 5), 2), "non-negative"),
+    (lambda W, A, B: fk.fwsvd_rows(W, -torch.ones(7, 5), 2), "non-negative"),
+    (lambda W, A, B: fk.fwsvd(W, torch.ones(7), 2), "the \\(n, m\\) diagonal Fisher"),
+    (lambda W, A, B: fk.fwsvd(W, torch.ones(5, 7), 2), "expected \\(7, 5\\)"),
     (lambda W, A, B: fk.asvd(W, torch.ones(4), 2), "expected 5"),
 ])
 def test_bad_input_one_line_errors(call, msg):
@@ -171,7 +179,7 @@ def test_kfac_svd_is_theorem1_with_the_kfac_factors(n, m):
     tail = float((torch.linalg.svdvals(LB.T @ W @ LA)[r:] ** 2).sum())
     assert abs(float(dW @ F @ dW) - tail) <= F64_REL * tail
     # and no other method does better in that metric
-    for rival in ("svd", "fwsvd"):
+    for rival in ("svd", "fwsvd", "fwsvd_rows"):
         R2, R1 = fk.factorize_weight(rival, W, r, diag_fisher=torch.ones(n, m, dtype=torch.float64))
         dR = fk.vec(W - R2 @ R1)
         assert float(dR @ F @ dR) >= tail * (1 - OPT_SLACK)

@@ -28,7 +28,7 @@ from .lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_
 from .methods import METHODS, Method, factorize_weight
 from .operators import GradientStack, RearrangedFisher, matvec_flops, rearranged_fisher
 from .regularization import MIN_ALPHA, Regularized, regularize
-from .wsvd import Factors, asvd, fisher_weighted_error, fwsvd, gfwsvd, svd, svd_llm, weighted_svd
+from .wsvd import Factors, asvd, fisher_weighted_error, fwsvd, fwsvd_rows, gfwsvd, svd, svd_llm, weighted_svd
 
 __all__ = [
     "FisherkronError", "vec", "unvec", "kron",
@@ -36,7 +36,7 @@ __all__ = [
     "mff", "MFFResult", "kronecker_terms",
     "kfac_factors", "KFACFactors",
     "regularize", "Regularized", "MIN_ALPHA",
-    "weighted_svd", "gfwsvd", "svd", "fwsvd", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
+    "weighted_svd", "gfwsvd", "svd", "fwsvd", "fwsvd_rows", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
     "METHODS", "Method", "factorize_weight",
     "LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio",
     "shared_basis", "SharedFactors", "SharedBasisLinear", "shared_basis_rank", "shared_basis_params",

@@ -9,7 +9,8 @@ collects them:
 method              needs            factors of ``W`` (``n x m``)
 ==================  ===============  ==========================================================
 ``svd``             --               truncated SVD
-``fwsvd``           ``diag_fisher``  FWSVD (App. E): left weight ``diag(sqrt(sum_j E[G_ij^2]))``
+``fwsvd``           ``diag_fisher``  FWSVD as its public code runs: right weight ``diag(sqrt(sum_i E[G_ij^2]))``
+``fwsvd_rows``      ``diag_fisher``  FWSVD as App. E states it: left weight ``diag(sqrt(sum_j E[G_ij^2]))``
 ``asvd``            ``abs_mean``     ASVD: right weight ``diag(mean|x|^alpha)``
 ``svd_llm``         ``xxt``          SVD-LLM: right weight ``chol(X X^T)``
 ``gfwsvd``          ``grads``        GFWSVD, Theorem 1 / Eq. (7), ``A (x) B`` from MFF (Alg. 1)
@@ -18,6 +19,8 @@ method              needs            factors of ``W`` (``n x m``)
 ``kfac_svd``        ``kfac``         Theorem 1 / Eq. (7) with the K-FAC factors ``E[x x^T]``, ``E[delta delta^T]``
 ==================  ===============  ==========================================================
 
+``fwsvd`` and ``fwsvd_rows`` read the same ``E[G * G]`` and sum it over different indices;
+:mod:`fisherkron.core.wsvd` says which is which and why ``fwsvd`` is the input-side one.
 ``grads`` are the per-batch gradients from which MFF finds ``A`` and ``B``; callers run
 MFF (with whatever start and tolerance they choose) and pass the factors. ``kfac`` are the
 per-token K-FAC factors (:func:`fisherkron.kfac_factors`), MFF's warm start: KFAC-SVD is the
@@ -36,7 +39,7 @@ import torch
 from .checks import check_matrix, check_rank
 from .conventions import FisherkronError
 from .regularization import MIN_ALPHA
-from .wsvd import Decomposition, Factors, asvd_weight, cholesky_weight, decompose, fwsvd_weight
+from .wsvd import Decomposition, Factors, asvd_weight, cholesky_weight, decompose, fwsvd_rows_weight, fwsvd_weight
 
 __all__ = ["Method", "METHODS", "method", "Weights", "method_weights", "decompose_weight", "factorize_weight",
            "ablate"]
@@ -58,7 +61,8 @@ class Method:
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("svd", (), "truncated SVD"),
-    Method("fwsvd", ("diag_fisher",), "FWSVD: rows weighted by the diagonal Fisher (App. E)"),
+    Method("fwsvd", ("diag_fisher",), "FWSVD: input columns weighted by sqrt(sum_i E[G_ij^2]) (the public code)"),
+    Method("fwsvd_rows", ("diag_fisher",), "FWSVD as App. E states it: output rows weighted by sqrt(sum_j E[G_ij^2])"),
     Method("asvd", ("abs_mean",), "ASVD: columns weighted by mean |x|^alpha"),
     Method("svd_llm", ("xxt",), "SVD-LLM: whitening by chol(X X^T)"),
     Method("gfwsvd", ("grads",), "GFWSVD: Theorem 1 with MFF's A (x) B"),
@@ -124,7 +128,9 @@ def method_weights(name: str, n: int, m: int, *, A=None, B=None, diag_fisher=Non
     if name == "svd":
         return Weights(None, None)
     if name == "fwsvd":
-        return Weights(fwsvd_weight(diag_fisher), None)
+        return Weights(None, fwsvd_weight(diag_fisher, (n, m), name=layer))
+    if name == "fwsvd_rows":
+        return Weights(fwsvd_rows_weight(diag_fisher, (n, m), name=layer), None)
     if name == "asvd":
         return Weights(None, asvd_weight(abs_mean, asvd_alpha))
     if name == "svd_llm":
@@ -173,7 +179,8 @@ def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, d
         rank: ``r`` in ``1..min(n, m)``.
         A, B: MFF's Kronecker factors (``m x m`` input side, ``n x n`` output side) for the
             GFWSVD family.
-        diag_fisher: ``(n, m)`` diagonal Fisher ``E[G * G]`` (or its row sums) for FWSVD.
+        diag_fisher: ``(n, m)`` diagonal Fisher ``E[G * G]`` for ``fwsvd`` (summed over the
+            outputs) and ``fwsvd_rows`` (summed over the inputs).
         abs_mean: length-``m`` mean ``|x|`` for ASVD.
         xxt: ``m x m`` ``X X^T`` for SVD-LLM.
         kfac: K-FAC factors ``(A, B)`` (a :class:`~fisherkron.KFACFactors`) for KFAC-SVD.

@@ -46,7 +46,9 @@ __all__ = ["TaskSpec", "TASK_SPECS", "Splits", "stratified_halves", "task_splits
            "CODE_VERSION", "FFN_LAYERS"]
 
 log = logging.getLogger(__name__)
-CODE_VERSION = "glue-1"
+CODE_VERSION = "glue-1"  # the fine-tuned checkpoints (part of their key)
+#: the scored cases (their cache key): 2 = ``fwsvd`` is the input-side form its public code runs
+SCORES_VERSION = "glue-scores-2"
 #: the fully connected (FFN) layers of every block of a BERT-style encoder
 FFN_LAYERS = r"(?:\w+\.)?encoder\.layer\.\d+\.(intermediate|output)\.dense"
 
@@ -479,7 +481,7 @@ class Study:
                          progress=self.progress)
 
     def _results_path(self, task: str, ft: FineTuned, test: Encoded) -> Path:
-        cfg = [CODE_VERSION, ft.key, self.k, self.calib_batch_size, self.layers, self.split_seed,
+        cfg = [SCORES_VERSION, ft.key, self.k, self.calib_batch_size, self.layers, self.split_seed,
                hashlib.blake2b(test.labels.numpy().tobytes() + json.dumps(test.features["input_ids"]).encode(),
                                digest_size=8).hexdigest(), sorted(self.mff_options.items())]
         key = hashlib.blake2b(json.dumps(cfg, default=str).encode(), digest_size=10).hexdigest()

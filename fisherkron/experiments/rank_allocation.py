@@ -25,7 +25,7 @@ from ..env import atomic_write, data_root
 __all__ = ["Setup", "prepare", "run_case", "validate_predictions", "CODE_VERSION"]
 
 log = logging.getLogger(__name__)
-CODE_VERSION = "rank-allocation-2"  # 2: rows carry sweep_seconds
+CODE_VERSION = "rank-allocation-3"  # 2: rows carry sweep_seconds; 3: fwsvd is the input-side form
 
 
 @dataclass
