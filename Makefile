@@ -93,7 +93,7 @@ clean-venv: ## remove the virtual environment
 # core (fisherkron/core/, the top-level modules and the figure writer); items that use the
 # Hugging Face layer add $(HF_SRC), items that use an experiment module add that module.
 CORE_SRC := $(sort $(wildcard fisherkron/core/*.py fisherkron/*.py)) fisherkron/experiments/figures.py
-HF_SRC   := $(sort $(wildcard fisherkron/hf/*.py))
+HF_SRC   := $(sort $(wildcard fisherkron/hf/*.py fisherkron/hf/*/*.py))
 EXP      := fisherkron/experiments
 
 -include mk/*.mk

@@ -4,7 +4,7 @@
 BENCH_DIR  ?= figures/bench
 BENCH_ARGS ?=
 BENCH_SRC  := scripts/bench_mff.py $(addprefix fisherkron/experiments/,benchmark.py authors.py synthetic_gradients.py figures.py) \
-              $(addprefix fisherkron/hf/,calibration.py data.py registry.py)
+              $(wildcard fisherkron/hf/calibration/*.py) $(addprefix fisherkron/hf/,data.py registry.py)
 BENCH_OUT  := $(foreach s,bench_mff bench_minilm_layers,$(BENCH_DIR)/$s.csv $(BENCH_DIR)/$s.md $(BENCH_DIR)/$s.tex \
                 $(BENCH_DIR)/$s.provenance.json) \
               $(BENCH_DIR)/fig_bench_mff.png $(BENCH_DIR)/fig_bench_mff.pdf $(BENCH_DIR)/fig_bench_mff.provenance.json

@@ -1,0 +1,139 @@
+"""README.md's numbers against the committed outputs (issue 24, "numbers that cannot drift").
+
+Every number of the README's results sections sits in a generated block that
+``fisherkron.experiments.readme`` renders from ``figures/`` (tables, summary records, wall times).
+These tests render every block and compare, so ``make test`` fails when a hand edit of the README
+or a regenerated table leaves the two apart. No notebook runs.
+"""
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fisherkron.core.conventions import FisherkronError
+from fisherkron.experiments import readme
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+FIGURES = ROOT / "figures"
+
+
+def _text() -> str:
+    return README.read_text(encoding="utf-8")
+
+
+def _figures_copy(tmp_path: Path) -> Path:
+    """The tables and records of figures/ (no images) in a folder the test may edit."""
+    images = shutil.ignore_patterns("*.png", "*.pdf", "*.tex")
+    return Path(shutil.copytree(FIGURES, tmp_path / "figures", ignore=images))
+
+
+def _block(text: str, name: str) -> str:
+    return next(body for n, body, _ in readme.blocks(text) if n == name)
+
+
+def test_readme_numbers_match_the_committed_outputs():
+    problems = readme.check(_text(), FIGURES)
+    assert not problems, "\n\n".join(problems)  # each message names its block and says `make readme`
+
+
+def test_every_renderer_has_a_block_in_the_readme():
+    """A results section whose markers were deleted would no longer be checked: every renderer is used."""
+    used = {name.partition(":")[0] for name, _, _ in readme.blocks(_text())}
+    assert set(readme.renderers()) <= used, sorted(set(readme.renderers()) - used)
+    notebooks = {p.stem for p in (ROOT / "notebooks").glob("*.py")}
+    timed = {name.partition(":")[2] for name, _, _ in readme.blocks(_text()) if name.startswith("time:")}
+    assert notebooks <= timed, f"notebooks without a run time in the reproduction table: {sorted(notebooks - timed)}"
+
+
+def test_planted_drift_in_the_readme_is_caught_and_repaired(tmp_path):
+    text = _text()
+    gaps = _block(text, "synthetic-gaps")
+    assert "**+9.6 ± 1.7**" in gaps
+    copy = tmp_path / "README.md"
+    copy.write_text(text.replace(gaps, gaps.replace("**+9.6 ± 1.7**", "**+9.7 ± 1.7**")), encoding="utf-8")
+
+    problems = readme.check(copy.read_text(encoding="utf-8"), FIGURES)
+    assert len(problems) == 1
+    assert "'synthetic-gaps'" in problems[0] and "make readme" in problems[0]
+    assert "-| FWSVD | +1.0 ± 0.6 | +1.2 ± 0.4 | **+9.7 ± 1.7** |" in problems[0]  # the diff shows the line
+
+    cmd = [sys.executable, "-m", "fisherkron.experiments.readme", str(copy), "--figures", str(FIGURES)]
+    r = subprocess.run([*cmd, "--check"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "'synthetic-gaps'" in r.stderr and "make readme" in r.stderr
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)  # `make readme`
+    assert r.returncode == 0, r.stderr
+    assert copy.read_text(encoding="utf-8") == text
+
+
+def test_planted_drift_in_an_inline_table_cell_is_caught(tmp_path):
+    text = _text()
+    cell = re.search(r"<!-- generated:time:fig_time_algo -->(.*?)<!-- /generated:time:fig_time_algo -->", text)
+    planted = text.replace(cell.group(0), cell.group(0).replace(cell.group(1), "259 s"))
+    assert planted != text
+    problems = readme.check(planted, FIGURES)
+    assert [p.split("\n")[0] for p in problems] == [
+        "README block 'time:fig_time_algo' differs from the committed outputs: run `make readme`"]
+
+
+def test_a_changed_table_fails_the_readme_until_it_is_rendered_again(tmp_path):
+    """The other direction: a regenerated figures/ table with another value fails the unchanged README."""
+    figures = _figures_copy(tmp_path)
+    table = figures / "tab_rank_allocation.csv"
+    rows = table.read_text().split("\n")
+    i = next(i for i, r in enumerate(rows) if r.startswith("gfwsvd,sensitivity,0.1,"))
+    cells = rows[i].split(",")
+    cells[4] = "171.65643930000232"  # ppl_ptb: 151.7 -> 171.7
+    rows[i] = ",".join(cells)
+    table.write_text("\n".join(rows))
+
+    names = {p.split("'")[1] for p in readme.check(_text(), figures)}
+    assert names == {"rank-allocation", "rank-allocation-headline", "rank-allocation-verdicts"}
+    fixed = readme.render(_text(), figures)
+    assert readme.check(fixed, figures) == []
+    assert "| GFWSVD | sensitivity (the paper's) | **88** | 172 |" in _block(fixed, "rank-allocation")
+
+
+def test_a_verdict_text_in_another_format_is_an_error_not_a_wrong_readme(tmp_path):
+    figures = _figures_copy(tmp_path)
+    rec = figures / "tab_glue_results_summary.provenance.json"
+    rec.write_text(rec.read_text().replace("closest", "nearest"))
+    with pytest.raises(FisherkronError, match="tab_glue_results_summary.*format"):
+        readme.check(_text(), figures)
+
+
+def test_markers_are_checked():
+    with pytest.raises(FisherkronError, match="no renderer.*'nope'|'nope'.*no renderer"):
+        readme.render("<!-- generated:nope -->\nx\n<!-- /generated:nope -->", FIGURES)
+    with pytest.raises(FisherkronError, match="unpaired"):
+        readme.blocks("<!-- generated:spectrum -->\nx\n")
+    with pytest.raises(FisherkronError, match="unpaired"):
+        readme.blocks("<!-- generated:spectrum -->\nx\n<!-- /generated:throughput -->")
+
+
+def test_a_block_inside_a_list_item_keeps_its_indent():
+    text = "* item:\n\n  <!-- generated:synthetic-setup -->\n  old\n  <!-- /generated:synthetic-setup -->\n* next\n"
+    out = readme.render(text, FIGURES)
+    body = _block(out, "synthetic-setup")
+    assert all(line.startswith("  ") for line in body.strip("\n").split("\n") if line)
+    assert readme.check(out, FIGURES) == []
+
+
+@pytest.mark.parametrize("line", [
+    "* **Holds:** 70 of SmolLM2's 210 layers (33 %) have `σ₁/σ₂ > 3`, as 74 of Llama-2-7B-chat's 224 (33 %) in "
+    "the paper; MiniLM 10 of 36 (28 %) and at r = 1. then more words follow here to wrap",
+    "  - a nested item with [a link whose text has spaces](figures/x.md) and `code with spaces` " * 3,
+    "plain text - with a dash + plus > quote # hash 1. one 2) two " * 4,
+])
+def test_wrapped_lines_stay_the_same_markdown(line):
+    lines = readme.wrap(line, 60)
+    assert " ".join(" ".join(lines).split()) == " ".join(line.split())  # nothing lost, nothing added
+    for x in lines[1:]:
+        first = x.split()[0]
+        assert not re.fullmatch(r"\d+[.)]|[-+*>#=|]+", first), x  # would start a list, quote or heading
+        assert not first.startswith("%"), x
+    assert all(len(x) <= 60 or " " not in x.strip() or "`" in x or "[" in x for x in lines)
