@@ -11,7 +11,10 @@ module                      what it holds
 ``throughput``              FLOPs and measured speed of compressed decoders (App. F)
 ``glue``                    the encoder study (Sec. 6.2): splits, fine-tuning (cached), compression
 ``glue_summary``            its tables (Tab. glue_results, glue_extended) and verdicts
+``rank_allocation``         the rank-allocation study (Sec. 6.3 protocol): methods x allocations x ratios
+``calibration_study``       calibration at scale: quality and cost against k and granularity
 ``figures``                 figures and tables written atomically with provenance records
+``readme``                  README.md's generated numbers, rendered from the committed outputs
 ==========================  ================================================================
 
 Import the modules themselves (``from fisherkron.experiments import synthetic``); nothing
