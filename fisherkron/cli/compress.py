@@ -42,8 +42,10 @@ CALIBRATION = ("c4",) + opt.CLASSIFICATION_DATA
 DEFAULT_SEQ_LEN = 256
 
 
-#: C4 documents held out of the calibration for --allocation sensitivity (its loss is measured on them)
+#: C4 documents held out of the calibration for the allocations that measure (their loss or KL is measured on them)
 HELDOUT_DOCS = 200
+#: the allocations that measure the model on held-out C4 batches
+MEASURED = ("sensitivity", "calibrated", "lems")
 
 
 def _settings(args) -> dict:
@@ -90,12 +92,18 @@ def _settings(args) -> dict:
     if args.allocation != "uniform" and args.ratio is None:
         raise FisherkronError(f"--allocation {args.allocation} chooses per-layer ranks for a target --ratio; "
                               f"give --ratio instead of --rank")
-    if args.allocation == "sensitivity" and task != "causal-lm":
-        raise FisherkronError("--allocation sensitivity measures the loss on held-out C4 batches (causal LMs); "
-                              "for a classifier use --allocation fisher or uniform")
-    if args.allocation == "fisher" and args.method == "svd":
-        raise FisherkronError("--allocation fisher reads the calibration's Fisher, and method svd collects none; "
-                              "use another method or --allocation sensitivity")
+    if args.allocation in MEASURED and task != "causal-lm":
+        raise FisherkronError(f"--allocation {args.allocation} measures the model on held-out C4 batches (causal "
+                              f"LMs); for a classifier use --allocation fisher or uniform")
+    if args.allocation in ("fisher", "calibrated") and args.method == "svd":
+        raise FisherkronError(f"--allocation {args.allocation} reads the calibration's Fisher, and method svd "
+                              f"collects none; use another method or --allocation sensitivity or lems")
+    if args.calibrate_metric is not None and args.allocation != "calibrated":
+        raise FisherkronError(f"--calibrate-metric chooses what --allocation calibrated measures; drop it for "
+                              f"--allocation {args.allocation}")
+    if args.calibrate_ratio is not None and args.allocation not in ("calibrated", "lems"):
+        raise FisherkronError(f"--calibrate-ratio sets where --allocation calibrated or lems measures each layer; "
+                              f"drop it for --allocation {args.allocation}")
     if (args.grad_dtype != "float32" or args.granularity != "batch") and not METHODS[args.method].kronecker:
         raise FisherkronError(f"--grad-dtype and --granularity shape the gradients MFF reads; method {args.method} "
                               f"does not run MFF")
@@ -220,10 +228,12 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
     allocation_options = None
     if s["task"] == "causal-lm":
         docs = api.c4_documents()
-        if args.allocation == "sensitivity":  # the sweep measures on documents the calibration does not see
+        if args.allocation in MEASURED:  # the measurements use documents the calibration does not see
             docs, held = docs[:-HELDOUT_DOCS], docs[-HELDOUT_DOCS:]
             allocation_options = {"heldout": api.lm_batches(tok, held, 1, batch_size=args.batch_size,
                                                             seq_len=seq_len, seed=args.seed + 1)}
+            allocation_options.update({k: v for k, v in (("calibrate_metric", args.calibrate_metric),
+                                                         ("calibrate_ratio", args.calibrate_ratio)) if v is not None})
         batches = api.lm_batches(tok, docs, args.k, batch_size=args.batch_size,
                                  seq_len=seq_len, seed=args.seed)
     else:
@@ -235,9 +245,10 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
         before = api.perplexity(model, tok, api.ptb("test"), seq_len=seq_len,
                                 max_tokens=args.ppl_tokens, progress=progress).ppl
     stats = None
-    methods = (args.method,) + (("kfac",) if args.allocation == "fisher" and not METHODS[args.method].kronecker
+    fisher = args.allocation in ("fisher", "calibrated")  # the allocations that read a Kronecker Fisher
+    methods = (args.method,) + (("kfac",) if fisher and not METHODS[args.method].kronecker
                                  and "kfac" not in METHODS[args.method].needs else ())
-    if METHODS[args.method].needs or args.allocation == "fisher":
+    if METHODS[args.method].needs or fisher:
         stats = api.collect_calibration(model, batches, args.layers, k=args.k, seed=args.seed,
                                         methods=methods, cache=not args.no_cache,
                                         cache_dir=args.cache_dir, progress=progress,
@@ -300,11 +311,20 @@ def add_compress_command(sub, verbosity_options) -> None:
     c.add_argument("--min-alpha", type=opt.non_negative_float, default=MIN_ALPHA,
                    help="floor of the regularisation alpha of the Kronecker factors (see fisherkron.regularize)")
     c.add_argument("--tol", type=opt.tol, default=None, help="MFF's target relative error, in (0, 1)")
-    c.add_argument("--allocation", choices=("uniform", "sensitivity", "fisher"), default="uniform",
+    c.add_argument("--allocation", choices=("uniform", "sensitivity", "fisher", "calibrated", "lems"),
+                   default="uniform",
                    help="with --ratio, how per-layer ranks are chosen: one ratio for every layer (uniform, the "
                         "default); ASVD's measured sensitivity on held-out C4 batches, the paper's protocol "
-                        "(sensitivity; the last %d C4 documents are held out of the calibration); or Theorem 1's "
-                        "predicted loss increase, no model evaluation (fisher)" % HELDOUT_DOCS)
+                        "(sensitivity; the last %d C4 documents are held out of the calibration); Theorem 1's "
+                        "predicted loss increase, no model evaluation (fisher); those curves scaled through one "
+                        "measured point per layer, ranks by an exact integer program (calibrated); or LEMS's "
+                        "allocation (lems)" % HELDOUT_DOCS)
+    c.add_argument("--calibrate-metric", choices=("loss", "kl"), default=None,
+                   help="--allocation calibrated: measure the held-out loss increase (default) or the KL divergence "
+                        "from the dense model's outputs")
+    c.add_argument("--calibrate-ratio", type=opt.ratio, default=None,
+                   help="--allocation calibrated / lems: the per-layer ratio at which each layer is measured alone "
+                        "(default 0.5; LEMS's 0.9, 10 %% of the rank)")
     c.add_argument("--grad-dtype", choices=list(ENCODINGS), default="float32",
                    help="how calibration gradients are stored (16-bit: half the disk)")
     c.add_argument("--granularity", choices=("batch", "sequence", "token"), default="batch",

@@ -17,10 +17,14 @@ increases ``{layer: {rank: loss - base}}`` is what ASVD's threshold search
   (it memoises :func:`decompose_layer`, keyed with :func:`options_key`).
 * :class:`PrefixReplay`: the blocks before the changed layer's are replayed from recorded
   outputs instead of run again (same losses, about half the cost).
+* ``metric="kl"``: instead of the loss increase, the KL divergence of the model's outputs from
+  the dense model's (:class:`OutputKL`), the measurement of LEMS and of the ``"calibrated"``
+  allocation's option ``calibrate_metric="kl"``; one more evaluation records the dense outputs.
 * The cache: the table is written to ``<cache_dir>/sensitivity-<key>.json`` after every layer,
   so an interrupted sweep resumes where it stopped. Its key (:func:`sweep_key`) covers
   everything the losses depend on: the whole model (every weight, its dtype and device), the
-  loss function (its code and what it captures, or a ``loss_name``), the held-out batches, the
+  loss function (its code and what it captures, or a ``loss_name``; for ``metric="kl"`` the
+  metric and its temperature), the held-out batches, the
   method, its calibration statistics, every option of the factorisation, the candidates, the
   layers, the versions of fisherkron, torch and transformers, and the source of the code that
   computes them (this module, :mod:`fisherkron.hf.allocation` and the core's factorisation).
@@ -37,6 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -50,14 +55,17 @@ from ..core.regularization import MIN_ALPHA
 from ..env import atomic_write, data_root
 from .calibration import CalibrationStats, data_fingerprint, default_loss, loss_key, model_fingerprint
 
-__all__ = ["SENSITIVITY_RATIOS", "sensitivity_sweep", "sweep_key", "mean_loss", "loss_with_factors", "PrefixReplay",
-           "layer_statistics", "kronecker_factors", "decompose_layer", "options_key"]
+__all__ = ["SENSITIVITY_RATIOS", "METRICS", "sensitivity_sweep", "sweep_key", "mean_loss", "loss_with_factors",
+           "PrefixReplay", "OutputKL", "block_index", "layer_statistics", "kronecker_factors", "decompose_layer",
+           "options_key"]
 
 log = logging.getLogger(__name__)
 
 #: per-layer ratios (fraction of a layer's weights removed) measured by the sensitivity sweep
 SENSITIVITY_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 CODE_VERSION = "allocation-2"  # bump when the meaning of a cached sweep changes
+#: what a sweep measures: the held-out loss increase, or the KL divergence from the dense model's outputs
+METRICS = ("loss", "kl")
 #: the source files whose code decides a sweep's numbers (their contents enter its key)
 _SWEEP_CODE = ("hf/allocation.py", "hf/sensitivity.py", "core/methods.py", "core/wsvd.py", "core/regularization.py",
                "core/lowrank.py", "core/factorization.py")
@@ -170,12 +178,13 @@ def _loss_description(loss_fn, loss_name: str | None):
 def sweep_key(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], heldout, *,
               ratios=SENSITIVITY_RATIOS, loss_fn=None, loss_name: str | None = None, min_alpha: float = MIN_ALPHA,
               mff_options: dict | None = None, regularization: str = "diag", alpha: float | None = None,
-              asvd_alpha: float = 0.5) -> str:
+              asvd_alpha: float = 0.5, metric: str = "loss", temperature: float = 1.0) -> str:
     """The cache key of :func:`sensitivity_sweep`: a hash of everything its losses depend on.
 
     The whole model (:func:`~fisherkron.hf.calibration.model_fingerprint`: class, config, every
     parameter and buffer; and each one's dtype and device), the loss function
-    (:func:`~fisherkron.hf.calibration.loss_key`, or ``loss_name``), the held-out batches, the
+    (:func:`~fisherkron.hf.calibration.loss_key`, or ``loss_name``; for ``metric="kl"`` the metric
+    and its ``temperature``), the held-out batches, the
     method and the calibration statistics it reads, every option of the factorisation, the
     candidate ratios, the layers, the versions of fisherkron, torch and transformers and the
     source of the code that computes the numbers. Raises the one-line error when the loss
@@ -186,7 +195,9 @@ def sweep_key(model: nn.Module, method: str, stats: CalibrationStats | None, nam
     cfg = {"code": _code_version(), "torch": torch.__version__,
            "transformers": getattr(sys.modules.get("transformers"), "__version__", None),
            "model": model_fingerprint(model), "placement": _placement(model),
-           "loss": _loss_description(loss_fn, loss_name), "heldout": data_fingerprint(batches), "method": method,
+           "loss": (_loss_description(loss_fn, loss_name) if metric == "loss"
+                    else ["kl-to-dense-outputs", float(temperature)]),
+           "heldout": data_fingerprint(batches), "method": method,
            "stats": stats.key if stats is not None and row.needs else None,
            "options": options_key(min_alpha=min_alpha, regularization=regularization, alpha=alpha,
                                    asvd_alpha=asvd_alpha if method == "asvd" else None, mff_options=mff_options or {}),
@@ -321,6 +332,78 @@ class PrefixReplay:
         return self._loss(model, self.index[name])
 
 
+def block_index(model: nn.Module, names: list[str]) -> tuple[dict[str, int], int] | None:
+    """``({layer: index of its block}, number of blocks)`` when the layers lie in one ``nn.ModuleList`` of blocks.
+
+    ``None`` otherwise. The depth of a layer, for LEMS's depth bias (:func:`fisherkron.core.allocation.depth_bias`).
+    """
+    found = _block_list(model, names)
+    if found is None:
+        return None
+    path, index = found
+    return index, len(model.get_submodule(path))
+
+
+class OutputKL:
+    r"""``loss_fn(model, batch)``: the KL divergence of the model's outputs from the dense model's on ``batch``.
+
+    ``KL = mean_t sum_v p_t(v) (log p_t(v) - log q_t(v))`` with ``p_t = softmax(z_t / T)`` from the
+    logits ``z_t`` the model had when this object was built (the dense model) and ``q_t`` from the
+    model it is called with, averaged over the tokens ``t`` the ``attention_mask`` keeps (every
+    output of a classifier); ``T = temperature``. The dense outputs of each batch are recorded
+    once (one evaluation) and looked up by the batch object, so it is called with the batches it
+    was built on (the sweep's held-out batches).
+
+    In float64, as ``KL_t = sum_v p_t log p_t - sum_v p_t y_t + logsumexp_v y_t`` with
+    ``y_t = z'_t / T`` the model's scaled logits: ``p_t`` and ``sum_v p_t log p_t`` are kept from
+    the dense run (8 bytes per output and vocabulary entry), so a call costs one conversion, one
+    dot product and one ``logsumexp`` per output (float32 round-off would swamp the KL of one
+    compressed layer and make it negative).
+    """
+
+    CHUNK = 256  #: outputs converted to float64 at once (256 x 49,152 x 8 bytes: 100 MB)
+
+    @torch.no_grad()
+    def __init__(self, model: nn.Module, batches, temperature: float = 1.0):
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise FisherkronError(f"the KL temperature must be a number > 0; got {temperature!r}")
+        self.temperature = float(temperature)
+        self.batches = list(batches)  # kept alive: their ids are the keys of the recorded outputs
+        if not all(isinstance(b, Mapping) for b in self.batches):
+            raise FisherkronError("the KL divergence runs model(**batch): give the held-out batches as dicts")
+        self._dense = {}
+        for b in self.batches:
+            z = self._logits(model, b)  # (N, V): N = B T outputs (B for a classifier)
+            logp = F.log_softmax(z.double() / self.temperature, dim=-1)
+            p = logp.exp()
+            self._dense[id(b)] = (p, (p * logp).sum(-1))  # (N, V), (N,)
+
+    @staticmethod
+    def _logits(model: nn.Module, batch) -> torch.Tensor:
+        """The model's logits on ``batch``, one row per output: ``(N, V)``."""
+        z = model(**{k: v for k, v in batch.items() if k != "labels"}).logits  # (B, T, V) or (B, C)
+        return z.flatten(0, -2)
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, batch) -> torch.Tensor:
+        dense = self._dense.get(id(batch))
+        if dense is None:
+            raise FisherkronError("OutputKL compares with the dense outputs of the batches it was built on; "
+                                  "this batch is not one of them")
+        p, negent = dense
+        z = self._logits(model, batch)  # (N, V) in the model's dtype
+        kl = torch.empty_like(negent)  # (N,)
+        for s in range(0, z.shape[0], self.CHUNK):  # float64 a chunk of outputs at a time: a vocabulary is large
+            y = z[s:s + self.CHUNK].double() / self.temperature
+            kl[s:s + self.CHUNK] = negent[s:s + self.CHUNK] - (p[s:s + self.CHUNK] * y).sum(-1) + y.logsumexp(-1)
+        mask = batch.get("attention_mask")
+        if mask is None or mask.numel() != kl.numel():  # a classifier: one output per sequence
+            return kl.mean()
+        kl = kl.reshape(mask.shape)  # (B, T)
+        mask = mask.to(kl.device, kl.dtype)
+        return (kl * mask).sum() / mask.sum().clamp_min(1.0)
+
+
 def _read_sweep(path: Path, key: str) -> dict | None:
     """The state kept in ``path`` for ``key``, or ``None`` (absent, unreadable, another key's or malformed)."""
     try:
@@ -340,7 +423,8 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
                       *, ratios=SENSITIVITY_RATIOS, loss_fn=None, loss_name: str | None = None,
                       min_alpha: float = MIN_ALPHA, mff_options: dict | None = None, regularization: str = "diag",
                       alpha: float | None = None, asvd_alpha: float = 0.5, cache: bool = True, cache_dir=None,
-                      decompositions=None, progress: bool = False) -> dict:
+                      decompositions=None, progress: bool = False, metric: str = "loss",
+                      temperature: float = 1.0) -> dict:
     """Loss increase on ``heldout`` of compressing each layer alone at each candidate per-layer ratio.
 
     Each layer is factorised as :func:`fisherkron.compress` would with the same options. Returns
@@ -352,9 +436,17 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
     not a folder) costs the cache, not the sweep: one warning says so and ``path`` is ``None``.
     ``decompositions`` (a :class:`~fisherkron.hf.allocation.Decompositions`) keeps each layer's
     weighted SVD for the compression that follows; without it each is computed here
-    (:func:`decompose_layer`).
+    (:func:`decompose_layer`). ``metric="kl"`` measures :class:`OutputKL` (at ``temperature``)
+    instead of the loss: the table then holds each compressed model's KL divergence from the dense
+    outputs, ``base`` is 0 and one more evaluation records the dense outputs; ``loss_fn`` and
+    ``loss_name`` do not apply.
     """
     method_row(method)
+    if metric not in METRICS:
+        raise FisherkronError(f"sweep metric {metric!r} is unknown; use one of {', '.join(METRICS)}")
+    if metric == "kl" and (loss_fn is not None or loss_name is not None):
+        raise FisherkronError("the KL metric compares the model's outputs with the dense model's; loss_fn and "
+                              "loss_name do not apply to it (drop them, or measure metric='loss')")
     heldout = list(heldout or ())
     if not heldout:
         raise FisherkronError("the sensitivity allocation needs held-out calibration batches (heldout=)")
@@ -365,7 +457,7 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
     state = {"method": method, "ratios": list(ratios), "table": {}, "evaluations": 0, "seconds": 0.0}
     if cache:
         key = sweep_key(model, method, stats, names, heldout, ratios=ratios, loss_fn=loss_fn, loss_name=loss_name,
-                        **options)
+                        metric=metric, temperature=temperature, **options)
         root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "allocation"
         path = root / f"sensitivity-{key}.json"
         state = _read_sweep(path, key) or {**state, "key": key}
@@ -390,6 +482,10 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
     was_training = model.training
     model.eval()
     try:
+        if metric == "kl" and (todo or "base" not in state):
+            loss_fn = OutputKL(model, heldout, temperature)  # records the dense outputs: one evaluation
+            heldout = loss_fn.batches
+            state["evaluations"] += 1
         replay = PrefixReplay(model, todo, heldout, loss_fn) if todo else None
         if "base" not in state:  # the replay recorded the dense losses already, where it could
             base = replay.base if replay is not None else None
@@ -419,5 +515,6 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
         model.train(was_training)
     table = {n: {int(r): float(d) for r, d in state["table"][n].items()} for n in names}
     return {"base": state["base"], "table": table, "evaluations": state["evaluations"],
-            "seconds": state["seconds"], "from_cache": from_cache, "path": str(path) if kept else None}
+            "seconds": state["seconds"], "from_cache": from_cache, "path": str(path) if kept else None,
+            "metric": metric}
 
