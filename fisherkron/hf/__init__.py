@@ -9,7 +9,7 @@ module             what it holds
 ``distributed``    under torchrun: the process group, and MFF of all layers spread over the ranks
 ``budget``         ``count_params``, ``plan_ranks``: the parameter budget, uniform ranks for a ratio
 ``sensitivity``    ASVD's sensitivity sweep: each layer compressed alone, held-out loss (Sec. 6.3)
-``allocation``     ``allocate``: per-layer ranks for a whole-model ratio (uniform, sensitivity, fisher)
+``allocation``     ``allocate``: per-layer ranks for a ratio (uniform, sensitivity, fisher, calibrated, lems)
 ``surgery``        ``compress``: replace ``nn.Linear`` layers by ``LowRankLinear`` (Secs. 5-6)
 ``basis_sharing``  Basis Sharing (Wang et al. 2024): cross-layer shared bases, a Sec. 6.3 baseline
 ``speed``          FLOPs of a forward pass (analytic, and counted on a meta copy); measured layer speed

@@ -217,12 +217,15 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         skip_unprofitable: keep a layer dense when ``r (n + m) >= n m`` (no saving).
         allocation: with ``ratio``, how the per-layer ranks are chosen: ``"uniform"`` (the
             default), ``"sensitivity"`` (ASVD's measured procedure, the paper's; needs
-            ``allocation_options={"heldout": batches}``) or ``"fisher"`` (Theorem 1's predicted
-            loss increase, no model evaluation); or an :class:`~fisherkron.hf.allocation.Allocation`
-            computed before. Layers the allocation keeps dense stay ``nn.Linear``.
+            ``allocation_options={"heldout": batches}``), ``"fisher"`` (Theorem 1's predicted
+            loss increase, no model evaluation), ``"calibrated"`` (Theorem 1's curves scaled through
+            one measured point per layer, exact integer program) or ``"lems"`` (LEMS's allocation);
+            or an :class:`~fisherkron.hf.allocation.Allocation` computed before. Layers the allocation keeps dense stay ``nn.Linear``.
         allocation_options: keyword arguments of :func:`fisherkron.hf.allocation.allocate` that
             compress does not set itself (:data:`~fisherkron.hf.allocation.OPTIONS`: ``heldout``,
-            ``loss_fn``, ``loss_name``, ``sensitivity_ratios``, ``cache``, ``cache_dir``); the
+            ``loss_fn``, ``loss_name``, ``sensitivity_ratios``, ``cache``, ``cache_dir``, and for
+            ``calibrated`` / ``lems``: ``calibrate_metric``, ``calibrate_ratio``, ``kl_temperature``,
+            ``depth_gamma``, ``rank_multiple``, ``solver``, ``time_limit``); the
             allocation factorises with compress's own ``regularization``, ``alpha``,
             ``min_alpha``, ``asvd_alpha`` and ``mff_options``.
         decompositions: a :class:`~fisherkron.hf.allocation.Decompositions` that keeps each
