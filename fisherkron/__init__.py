@@ -47,7 +47,8 @@ _HF = ("load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
        "save_compressed", "load_compressed",
        "perplexity", "PerplexityResult", "classification_metrics", "predict_classifier",
        "evaluate_classifier", "run_lm_eval", "write_tasks", "LOCAL_TASKS",
-       "compress_basis_sharing", "plan_basis_sharing", "BasisSharingReport")
+       "compress_basis_sharing", "plan_basis_sharing", "BasisSharingReport",
+       "learn_truncation", "TruncationReport", "recover", "RecoveryReport", "rebalance_factors")
 
 __all__ = [
     # fisherkron.core: the method

@@ -12,6 +12,8 @@ module             what it holds
 ``allocation``     ``allocate``: per-layer ranks for a ratio (uniform, sensitivity, fisher, calibrated, lems)
 ``surgery``        ``compress``: replace ``nn.Linear`` layers by ``LowRankLinear`` (Secs. 5-6)
 ``basis_sharing``  Basis Sharing (Wang et al. 2024): cross-layer shared bases, a Sec. 6.3 baseline
+``truncation``     ``learn_truncation``: Dobi-SVD's trainable truncation positions on any weighted SVD (Sec. 6.4)
+``recovery``       ``recover``: PEFT LoRA on LowRankLinear's factors, merged; training text kept apart from evaluation
 ``speed``          FLOPs of a forward pass (analytic, and counted on a meta copy); measured layer speed
 ``saving``         ``save_compressed`` / ``load_compressed``: safetensors folders
 ``transaction``    all-or-nothing replacement of a folder's files (mount points too): journal, commit, undo
@@ -31,8 +33,10 @@ from .evaluate import (PerplexityResult, classification_metrics, evaluate_classi
                        predict_classifier, run_lm_eval)
 from .lm_eval_tasks import LOCAL_TASKS, write_tasks
 from .registry import EMBEDDED_MODELS, PAPER_MODELS, load_model
+from .recovery import RecoveryReport, assert_disjoint, check_disjoint, evaluation_texts, rebalance_factors, recover
 from .saving import load_compressed, save_compressed
 from .surgery import CompressionReport, LayerReport, compress
+from .truncation import TruncationReport, learn_truncation, train_truncation
 
 __all__ = [
     "load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
@@ -43,4 +47,6 @@ __all__ = [
     "perplexity", "PerplexityResult", "classification_metrics", "predict_classifier",
     "evaluate_classifier", "run_lm_eval", "write_tasks", "LOCAL_TASKS",
     "compress_basis_sharing", "plan_basis_sharing", "BasisSharingReport",
+    "learn_truncation", "train_truncation", "TruncationReport",
+    "recover", "RecoveryReport", "rebalance_factors", "check_disjoint", "assert_disjoint", "evaluation_texts",
 ]
