@@ -96,5 +96,7 @@ CORE_SRC := $(sort $(wildcard fisherkron/core/*.py fisherkron/*.py)) fisherkron/
 HF_SRC   := $(sort $(wildcard fisherkron/hf/*.py fisherkron/hf/*/*.py))
 EXP      := fisherkron/experiments
 
--include mk/*.mk
+# mk/notebooks.mk first: it defines the `notebook` macro the other mk files call
+include mk/notebooks.mk
+-include $(filter-out mk/notebooks.mk,$(sort $(wildcard mk/*.mk)))
 

@@ -1,0 +1,687 @@
+r"""The decoder study of Sec. 6.3 and its appendices: every method, one protocol, every score cached.
+
+The paper compresses Llama-2-7B-chat and Llama-3.1-8B-Instruct by FWSVD, ASVD, SVD-LLM, Basis
+Sharing and GFWSVD (Tabs. Llama31_compression_50, Llama2_chat_compression_50, Llama2_compression,
+Llama3_compression, Fig. mmlu_avg) and ablates the factors' diagonal (Tab. ablation_diag_results).
+This module runs all of it with one protocol, the same for every method:
+
+* **one calibration set** (:func:`calibrate`, the one call of :func:`fisherkron.collect_calibration`
+  every notebook of the study makes, so they share its cache entry): ``k`` batches of C4 documents
+  ``docs[:calib_docs]``, every statistic any method of :data:`STUDY_METHODS` reads, collected once;
+* **held-out batches** from the other documents, split by document into the sensitivity sweep's
+  batches and the *selection* batches on which each method's best allocation is chosen
+  (:func:`best_allocation`); the evaluation texts are never seen by calibration, sweep or choice;
+* **the sweep as ASVD runs it**: its candidate per-layer ratios (:data:`ASVD_CANDIDATES`, ASVD4LLM's
+  ``param_ratio_candidates`` in our convention), its noise measured by :func:`sweep_noise`;
+* **evaluation** (:data:`KINDS`): held-out loss, perplexity of the Wikipedia text (WikiText-2's
+  role) and PTB test, lm-eval's zero-shot tasks and 5-shot MMLU with a per-task example limit.
+
+A case (:class:`Case`: method, allocation, ratio) is compressed once per missing evaluation and
+each evaluation is kept as one JSON file under ``data/cache/studies/llm_compression/`` whose name is
+a hash of everything it depends on (:func:`case_config`, :func:`case_key`), written atomically as
+soon as it exists: a rerun after a plotting change reads them in seconds and an interrupted run
+resumes at the next case. Each method's weighted SVDs (:class:`~fisherkron.hf.allocation.Decompositions`)
+serve all its ratios and allocations.
+
+The pitfall of App. "Impact of diagonal ..." (issue 21, item 6) lives here too:
+:func:`transposed_decomposition` is GFWSVD with the output-side Cholesky factor untransposed, as a
+public reimplementation (lems-svd/lems) computes it.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .._version import __version__
+from ..core.conventions import FisherkronError
+from ..env import atomic_write, data_root
+from .llm_summary import ZERO_SHOT, mmlu_scores, zero_shot_scores
+
+__all__ = ["CODE_VERSION", "STUDY_METHODS", "ALLOCATIONS", "PAPER_ALLOCATION", "ASVD_CANDIDATES", "KINDS",
+           "Protocol", "Case", "Study", "check_reachable", "study_stats", "calibrate", "prepare", "case_config",
+           "case_key", "best_allocation", "run_table", "token_losses", "difference_noise", "sweep_noise",
+           "transposed_decomposition", "compress_transposed"]
+
+log = logging.getLogger(__name__)
+
+#: bump when the meaning of a cached score changes (part of every case key)
+CODE_VERSION = "llm-compression-1"
+#: every method any notebook of the study compresses with: the calibration collects what they read, once
+STUDY_METHODS = ("fwsvd", "asvd", "svd_llm", "gfwsvd", "gfwsvd_diag", "gfwsvd_offdiag", "kfac_svd", "basis_sharing")
+#: the allocations a method is tried with; its best is chosen on the held-out selection loss
+ALLOCATIONS = ("uniform", "fisher", "sensitivity")
+#: how the paper ran each method (Sec. 6.3): GFWSVD with ASVD's sensitivity scores (its own sweep), ASVD
+#: with its own, SVD-LLM uniform as its authors' code, FWSVD uniform as the paper describes it, Basis
+#: Sharing with its own rank rule
+PAPER_ALLOCATION = {"fwsvd": "uniform", "asvd": "sensitivity", "svd_llm": "uniform", "gfwsvd": "sensitivity",
+                    "basis_sharing": "own"}
+#: ASVD4LLM's ``param_ratio_candidates`` (sensitivity.py, since commit 1d213d5: 0.4 ... 0.9 of a layer's
+#: weights *kept*) in our convention, the fraction of the layer's weights *removed*
+ASVD_CANDIDATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+#: the evaluations of a case, each cached on its own: held-out selection loss, perplexities, lm-eval suites
+KINDS = ("heldout", "ppl", "zeroshot", "mmlu")
+#: the library sources whose code decides a cached score (their contents enter every case key)
+_SOURCES = ("core/methods.py", "core/wsvd.py", "core/regularization.py", "core/lowrank.py", "core/factorization.py",
+            "core/allocation.py", "core/basis_sharing.py", "hf/surgery.py", "hf/allocation.py", "hf/sensitivity.py",
+            "hf/basis_sharing.py", "hf/budget.py", "hf/evaluate.py", "hf/lm_eval_tasks.py")
+
+
+# ----------------------------------------------------------------------------- the protocol
+
+@dataclass(frozen=True)
+class Protocol:
+    """Everything every case shares: the model, the data and the evaluation settings.
+
+    ``calib_docs`` C4 (paper: FineWeb) documents give ``k`` calibration batches of ``batch_size``
+    sequences of ``seq_len`` tokens; of the remaining documents, the first ``sweep_docs`` give the
+    sweep's ``heldout_k`` batches and the rest the ``select_k`` selection batches. Perplexity: the
+    first ``eval_tokens`` tokens (0: all) of each text in ``eval_seq_len`` windows. lm-eval:
+    ``zero_shot_limit`` / ``mmlu_limit`` examples per task (per MMLU subject; ``None``: all) of the six
+    zero-shot tasks and of ``mmlu_tasks`` (the 57-subject group, or a few subjects for a smoke run).
+    """
+
+    model_name: str = "smollm2"
+    profile: str = "default"  # data and lm-eval tasks: "default" (embedded) or "paper" (the hub)
+    calib_docs: int = 500
+    k: int = 32
+    batch_size: int = 2
+    seq_len: int = 256
+    seed: int = 0
+    sweep_docs: int = 40
+    heldout_k: int = 8
+    select_k: int = 8
+    layers: str | None = None
+    eval_tokens: int = 4096
+    eval_seq_len: int = 512
+    sens_ratios: tuple = ASVD_CANDIDATES
+    mff_tol: float = 1e-4
+    zero_shot_limit: int | None = 100
+    mmlu_limit: int | None = 2
+    mmlu_tasks: tuple = ("mmlu",)  # the 57-subject group, or some ``mmlu_<subject>`` (a smoke run)
+    lm_eval_batch_size: int = 16
+    bootstrap_iters: int = 100
+
+
+def check_reachable(model_name: str, target: str) -> None:
+    """Raise the one-line error naming the embedded profile when ``model_name`` needs the hub and it is off."""
+    from ..env import hub_offline
+    from ..hf.registry import PAPER_MODELS
+
+    if model_name in PAPER_MODELS and hub_offline():
+        raise FisherkronError(
+            f"{model_name} needs the Hugging Face hub, which is switched off here: run the embedded profile "
+            f"(make {target} PROFILE=default, {PAPER_MODELS[model_name]}), or switch the hub on "
+            f"(make {target} PROFILE=paper HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=0 HF_DATASETS_OFFLINE=0)")
+
+
+def study_stats() -> tuple[str, ...]:
+    """The statistics :data:`STUDY_METHODS` read, in the calibration's order (the same in every notebook)."""
+    from ..hf.calibration import METHOD_STATS, STATS
+
+    need = {s for m in STUDY_METHODS for s in METHOD_STATS[m]}
+    return tuple(s for s in STATS if s in need)
+
+
+def calibrate(model: nn.Module, batches, protocol: Protocol, progress: bool = True):
+    """The study's one calibration call (cached on disk; the three notebooks share its entry)."""
+    from .. import hf
+
+    return hf.collect_calibration(model, batches, protocol.layers, seed=protocol.seed, grad_dtype="bfloat16",
+                                  stats=study_stats(), progress=progress)
+
+
+def _documents(protocol: Protocol) -> list[str]:
+    from .. import hf
+
+    if protocol.profile == "paper":  # FineWeb, streamed: enough documents for every split
+        need = protocol.calib_docs + protocol.sweep_docs + max(protocol.sweep_docs, 100)
+        return hf.c4_documents(profile="paper", n=need)
+    return hf.c4_documents()
+
+
+def _sources_hash() -> str:
+    h = hashlib.blake2b(digest_size=8)
+    pkg = Path(__file__).resolve().parents[1]
+    for rel in _SOURCES:
+        h.update((pkg / rel).read_bytes())
+    return h.hexdigest()
+
+
+def _ids_fingerprint(ids: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    for name in sorted(ids):
+        h.update(name.encode())
+        h.update(ids[name].numpy().tobytes())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- cases and their keys
+
+@dataclass(frozen=True)
+class Case:
+    """One compressed model: ``method`` (a key of :data:`fisherkron.METHODS`, ``"basis_sharing"``,
+    ``"gfwsvd_transposed"`` or ``"dense"``), its ``allocation`` (:data:`ALLOCATIONS`, ``"own"`` for
+    Basis Sharing, ``"ranks"`` for the ranks of another case, ``"dense"``) and the target whole-model
+    ``ratio``. With ``allocation="ranks"``, ``source`` is the ``(method, allocation)`` whose ranks at the
+    same ratio are reused (the ablation: every row gets GFWSVD's ranks)."""
+
+    method: str
+    allocation: str
+    ratio: float
+    source: tuple[str, str] | None = None
+
+    @property
+    def label(self) -> str:
+        if self.method == "dense":
+            return "dense"
+        src = f"<{self.source[0]}:{self.source[1]}>" if self.source else ""
+        return f"{self.method}|{self.allocation}{src}|{self.ratio:.4f}"
+
+
+def case_config(*, method: str, allocation: str, ratio: float, kind: str, model: str, calibration: str | None,
+                code: str, sweep: str | None = None, candidates=None, ranks: dict | None = None,
+                mff_options: dict | None = None, evaluation: dict | None = None) -> dict:
+    """Everything a cached score depends on, and nothing else.
+
+    ``model``: the dense model's fingerprint; ``calibration``: the statistics' key (not for the dense
+    model or plain SVD); ``code``: :data:`CODE_VERSION`, the library sources and versions; ``sweep`` and
+    ``candidates``: the sweep's held-out batches and per-layer ratios (the sensitivity allocation
+    only); ``ranks``: the per-layer ranks of an ``allocation="ranks"`` case; ``mff_options``: for the
+    methods that run MFF; ``evaluation``: the settings of this ``kind`` of score.
+
+    >>> a = case_config(method="svd_llm", allocation="uniform", ratio=0.1, kind="ppl", model="m", calibration="c",
+    ...                 code="v", sweep="s", mff_options={"tol": 1e-4})
+    >>> a == case_config(method="svd_llm", allocation="uniform", ratio=0.1, kind="ppl", model="m", calibration="c",
+    ...                  code="v")  # neither the sweep nor MFF's options change a uniform SVD-LLM
+    True
+    """
+    from ..core.methods import METHODS
+
+    if kind not in KINDS:
+        raise FisherkronError(f"kind {kind!r} is unknown; use one of {', '.join(KINDS)}")
+    dense = method == "dense"
+    kron = method == "gfwsvd_transposed" or (method in METHODS and METHODS[method].kronecker)
+    cfg = {"code": code, "model": model, "kind": kind, "method": method,
+           "allocation": "dense" if dense else allocation, "ratio": 0.0 if dense else round(float(ratio), 6),
+           "calibration": None if dense or method == "svd" else calibration,
+           "evaluation": _jsonable(evaluation or {})}
+    uses_sweep = allocation == "sensitivity" or (allocation == "ranks" and ranks is None)
+    if uses_sweep and not dense:
+        cfg["sweep"] = sweep
+        cfg["candidates"] = [float(c) for c in (candidates or ())]
+    if allocation == "ranks" and ranks is not None:
+        cfg["ranks"] = hashlib.blake2b(json.dumps(sorted(ranks.items()), default=str).encode(),
+                                       digest_size=12).hexdigest()
+    if kron and not dense:
+        cfg["mff_options"] = _jsonable(mff_options or {})
+    return cfg
+
+
+def case_key(config: dict) -> str:
+    """The file name of a cached score: a hash of its :func:`case_config` (key order does not matter)."""
+    return hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return repr(x)
+    return x
+
+
+def _finite_or_none(x):
+    """``x`` with every non-finite float replaced by ``None`` (strict JSON; read back as ``nan`` by the tables)."""
+    if isinstance(x, dict):
+        return {k: _finite_or_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_none(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def best_allocation(losses: dict[str, float], order=ALLOCATIONS) -> str:
+    """The allocation of lowest held-out selection loss; a tie (equal losses) goes to the first in ``order``.
+
+    The rule of the "best allocation here" rows: chosen on the loss of the selection batches (held-out
+    C4 documents that neither calibration nor the sweep saw), never on the evaluation texts. A
+    missing or non-finite loss never wins.
+
+    >>> best_allocation({"uniform": 5.1, "fisher": 4.2, "sensitivity": 4.2})
+    'fisher'
+    """
+    got = [(float(losses[a]), i, a) for i, a in enumerate(order) if a in losses and math.isfinite(losses[a])]
+    if not got:
+        raise FisherkronError(f"no finite selection loss among {', '.join(order)}: {losses}")
+    return min(got)[2]
+
+
+# ----------------------------------------------------------------------------- the study
+
+@dataclass
+class Study:
+    """The model, its calibration, the held-out and evaluation data, and the score cache."""
+
+    protocol: Protocol
+    model: nn.Module
+    tokenizer: object
+    stats: object
+    sweep_batches: list
+    select_batches: list
+    eval_ids: dict[str, torch.Tensor]
+    names: list[str]
+    model_key: str
+    code: str
+    cache_dir: Path
+    decompositions: dict = field(default_factory=dict)  # method -> Decompositions (one method kept)
+    timings: dict = field(default_factory=dict)  # seconds of computed (not cached) work, by kind
+    cached: dict = field(default_factory=dict)  # scores read from the cache, by kind
+
+    @property
+    def mff_options(self) -> dict:
+        return {"tol": self.protocol.mff_tol}
+
+    def decompositions_of(self, method: str):
+        """The weighted SVDs of ``method``, shared by its cases; those of another method are dropped."""
+        from ..hf.allocation import Decompositions
+
+        if method not in self.decompositions:
+            self.decompositions.clear()
+            self.decompositions[method] = Decompositions()
+        return self.decompositions[method]
+
+    # -- keys and the cache
+    def evaluation_settings(self, kind: str) -> dict:
+        """What a score of ``kind`` depends on besides the compressed model."""
+        from ..hf.calibration import data_fingerprint
+        from ..hf.lm_eval_tasks import VERSION
+
+        p = self.protocol
+        if kind == "heldout":
+            return {"batches": data_fingerprint(self.select_batches)}
+        if kind == "ppl":
+            return {"texts": _ids_fingerprint(self.eval_ids), "seq_len": p.eval_seq_len}
+        import lm_eval
+
+        common = {"lm_eval": lm_eval.__version__, "tasks": "hub" if p.profile == "paper" else f"local-v{VERSION}",
+                  "batch_size": p.lm_eval_batch_size, "bootstrap_iters": p.bootstrap_iters}
+        if kind == "zeroshot":
+            return {**common, "names": list(ZERO_SHOT), "limit": p.zero_shot_limit, "fewshot": 0}
+        return {**common, "names": list(p.mmlu_tasks), "limit": p.mmlu_limit, "fewshot": 5}
+
+    def config(self, case: Case, kind: str) -> dict:
+        from ..hf.calibration import data_fingerprint
+
+        ranks = self.ranks_of(case) if case.allocation == "ranks" else None
+        return case_config(method=case.method, allocation=case.allocation, ratio=case.ratio, kind=kind,
+                           model=self.model_key, calibration=self.stats.key, code=self.code,
+                           sweep=data_fingerprint(self.sweep_batches), candidates=self.protocol.sens_ratios,
+                           ranks=ranks, mff_options=self.mff_options, evaluation=self.evaluation_settings(kind))
+
+    def _path(self, config: dict) -> Path:
+        return self.cache_dir / f"{case_key(config)}.json"
+
+    def _read(self, config: dict) -> dict | None:
+        path = self._path(config)
+        try:
+            got = json.loads(path.read_text()) if path.is_file() else None
+        except (OSError, ValueError) as exc:
+            log.warning("cached score %s is unreadable (%s); computing it again", path, exc)
+            return None
+        if not isinstance(got, dict) or got.get("key") != case_key(config) or "result" not in got:
+            return None
+        return got
+
+    def _write(self, config: dict, result: dict, seconds: float) -> None:
+        rec = {"key": case_key(config), "config": config, "result": _finite_or_none(result), "seconds": seconds}
+        atomic_write(self._path(config), lambda t: Path(t).write_text(json.dumps(rec, indent=1, allow_nan=False)))
+
+    # -- compression
+    def ranks_of(self, case: Case) -> dict:
+        """The per-layer ranks of ``case.source`` at ``case.ratio`` (from its cached held-out record)."""
+        if case.source is None:
+            raise FisherkronError(f"case {case.label} reuses ranks but names no source case")
+        src = Case(case.source[0], case.source[1], case.ratio)
+        return self.scores(src, ("heldout",))["heldout"]["ranks"]
+
+    def build(self, case: Case, progress: bool = False) -> tuple[nn.Module, dict]:
+        """A compressed copy of the model and what the compression did (ratios, ranks, timings)."""
+        from ..hf.basis_sharing import compress_basis_sharing
+        from ..hf.budget import count_params
+        from ..hf.surgery import compress
+
+        model = copy.deepcopy(self.model)
+        before = count_params(self.model)
+        t = time.perf_counter()
+        info: dict = {}
+        if case.method == "dense":
+            return model, {"ratio": 0.0, "layers_ratio": 0.0, "ranks": {}, "compress_seconds": 0.0}
+        if case.method == "basis_sharing":
+            rep = compress_basis_sharing(model, self.stats, case.ratio, progress=progress)
+            info = {"layers_ratio": rep.layers_ratio, "ranks": dict(rep.ranks), "rho": rep.rho}  # ranks by type
+        elif case.method == "gfwsvd_transposed":
+            ranks = self.ranks_of(case)
+            rep = compress_transposed(model, self.stats, ranks, mff_options=self.mff_options, progress=progress)
+            info = {"layers_ratio": rep["layers_ratio"], "ranks": ranks}
+        else:
+            kw: dict = {}
+            if case.allocation == "ranks":
+                kw["ranks"] = self.ranks_of(case)
+            else:
+                kw["ratio"] = case.ratio
+                kw["allocation"] = case.allocation
+                if case.allocation == "sensitivity":
+                    kw["allocation_options"] = {"heldout": self.sweep_batches,
+                                                "sensitivity_ratios": tuple(self.protocol.sens_ratios)}
+            rep = compress(model, case.method, self.stats, self.protocol.layers, mff_options=self.mff_options,
+                           decompositions=self.decompositions_of(case.method), progress=progress, **kw)
+            cost = rep.allocation_cost or {}
+            info = {"layers_ratio": rep.layers_ratio, "ranks": {n: lr.rank if lr.skipped is None else None
+                                                                for n, lr in rep.layers.items()},
+                    "allocation_evaluations": cost.get("evaluations", 0),
+                    "sweep_seconds": cost.get("sweep_seconds", 0.0)}
+        info["ratio"] = 1.0 - count_params(model) / before  # the paper's 1 - compressed / original
+        info["compress_seconds"] = time.perf_counter() - t
+        return model, info
+
+    # -- evaluation
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, kind: str) -> dict:
+        """One ``kind`` of score of ``model`` (see :data:`KINDS`)."""
+        from ..hf.evaluate import perplexity, run_lm_eval
+        from ..hf.sensitivity import mean_loss
+
+        p = self.protocol
+        model.eval()
+        if kind == "heldout":
+            return {"loss": mean_loss(model, self.select_batches)}
+        if kind == "ppl":
+            return {name: perplexity(model, None, ids, seq_len=p.eval_seq_len).ppl
+                    for name, ids in self.eval_ids.items()}
+        profile = "paper" if p.profile == "paper" else "default"
+        if kind == "zeroshot":
+            res = run_lm_eval(model, self.tokenizer, list(ZERO_SHOT), num_fewshot=0, limit=p.zero_shot_limit,
+                              batch_size=p.lm_eval_batch_size, bootstrap_iters=p.bootstrap_iters, profile=profile,
+                              seed=p.seed)
+            return zero_shot_scores(res)
+        res = run_lm_eval(model, self.tokenizer, list(p.mmlu_tasks), num_fewshot=5, limit=p.mmlu_limit,
+                          batch_size=p.lm_eval_batch_size, bootstrap_iters=p.bootstrap_iters, profile=profile,
+                          seed=p.seed)
+        subjects = None if "mmlu" in p.mmlu_tasks else [t.removeprefix("mmlu_") for t in p.mmlu_tasks]
+        return mmlu_scores(res, subjects=subjects)
+
+    def scores(self, case: Case, kinds=("heldout", "ppl"), progress: bool = False) -> dict:
+        """``{kind: result}`` of ``case``: read from the cache, or the model compressed once and every
+        missing kind computed and kept as soon as it exists. The ``heldout`` record also holds the
+        compression's ratios and ranks and is always made first."""
+        kinds = ["heldout"] + [k for k in kinds if k != "heldout"]
+        configs = {k: self.config(case, k) for k in kinds}
+        out, todo = {}, []
+        for k in kinds:
+            got = self._read(configs[k])
+            if got is None:
+                todo.append(k)
+            else:
+                out[k] = got["result"]
+                self.cached[k] = self.cached.get(k, 0) + 1
+        if not todo:
+            return out
+        model, info = self.build(case, progress=progress)
+        self.timings["compress"] = self.timings.get("compress", 0.0) + info["compress_seconds"]
+        for k in todo:
+            t = time.perf_counter()
+            res = self.evaluate(model, k)
+            if k == "heldout":
+                res = {**info, **res}
+            sec = time.perf_counter() - t
+            self.timings[k] = self.timings.get(k, 0.0) + sec
+            self._write(configs[k], res, sec)
+            out[k] = res
+        del model
+        return out
+
+    def selection(self, method: str, ratio: float, allocations=ALLOCATIONS) -> dict:
+        """Each allocation's held-out selection loss for ``method`` at ``ratio``, and the best (:func:`best_allocation`)."""
+        losses = {a: self.scores(Case(method, a, ratio), ("heldout",))["heldout"]["loss"] for a in allocations}
+        return {"losses": losses, "best": best_allocation(losses, tuple(allocations))}
+
+
+def run_table(study: Study, methods, targets, kinds, *, extra=(), allocations=ALLOCATIONS,
+              progress: bool = True) -> tuple[list[dict], dict]:
+    """The rows of a comparison table, in two blocks per target ratio, and each method's selection.
+
+    Block ``"paper"``: each of ``methods`` allocated as the paper ran it (:data:`PAPER_ALLOCATION`);
+    block ``"best"``: each of ``methods`` and ``extra`` with its best of ``allocations`` on the held-out
+    selection loss (:meth:`Study.selection`; Basis Sharing keeps its own rank rule in both). Work runs
+    method by method, so each method's weighted SVDs are computed once for all its cases. Returns
+    ``(rows, selections)``: one dict per (block, target, method) with the case and its :func:`flatten`-ed
+    scores, and ``{method: {target: selection}}``.
+    """
+    from .llm_summary import flatten
+
+    order = list(dict.fromkeys([*methods, *extra]))
+    rows, selections = [], {}
+    bar = tqdm(total=len(order) * len(targets), desc="cases (method x ratio)", disable=not progress)
+    for method in order:
+        for target in targets:
+            if method == "basis_sharing":
+                chosen = {"paper": "own", "best": "own"}
+            else:
+                sel = study.selection(method, target, allocations)
+                selections.setdefault(method, {})[target] = sel
+                chosen = {"best": sel["best"]}
+                if method in methods and method in PAPER_ALLOCATION:
+                    chosen["paper"] = PAPER_ALLOCATION[method]
+            for block, allocation in chosen.items():
+                if block == "paper" and method not in methods:
+                    continue
+                case = Case(method, allocation, target)
+                scores = study.scores(case, kinds)
+                rows.append({"block": block, "target": target, "method": method, "allocation": allocation,
+                             "label": case.label, **flatten(scores)})
+            bar.update(1)
+    bar.close()
+    return rows, selections
+
+
+def prepare(protocol: Protocol, target: str = "tab_llm_compression_main", progress: bool = True) -> Study:
+    """Load the model, calibrate (cached), draw the held-out batches and tokenise the evaluation texts.
+
+    ``target``: the notebook's Make target, named in the one-line error of an unreachable hub model.
+    """
+    from .. import hf
+    from ..hf.calibration import model_fingerprint
+    from ..hf.evaluate import _token_ids
+
+    check_reachable(protocol.model_name, target)
+    p = protocol
+    model, tok = hf.load_model(p.model_name)
+    docs = _documents(p)
+    if p.calib_docs + p.sweep_docs >= len(docs):
+        raise FisherkronError(f"calib_docs={p.calib_docs} + sweep_docs={p.sweep_docs} leave no selection documents "
+                              f"of {len(docs)}; lower them")
+    batches = hf.lm_batches(tok, docs[:p.calib_docs], k=p.k, batch_size=p.batch_size, seq_len=p.seq_len, seed=p.seed)
+    rest = docs[p.calib_docs:]
+    sweep = hf.lm_batches(tok, rest[:p.sweep_docs], k=p.heldout_k, batch_size=p.batch_size, seq_len=p.seq_len,
+                          seed=p.seed + 1)
+    select = hf.lm_batches(tok, rest[p.sweep_docs:], k=p.select_k, batch_size=p.batch_size, seq_len=p.seq_len,
+                           seed=p.seed + 2)
+    stats = calibrate(model, batches, p, progress=progress)
+    profile = "paper" if p.profile == "paper" else "default"
+    texts = {"wiki": hf.wiki_text(profile=profile), "ptb": hf.ptb("test", profile=profile)}
+    eval_ids = {}
+    for name, text in texts.items():
+        ids = _token_ids(tok, text)
+        eval_ids[name] = ids[:p.eval_tokens] if p.eval_tokens else ids
+    import transformers
+
+    code = (f"{CODE_VERSION}/{__version__}/{_sources_hash()}/torch-{torch.__version__}/"
+            f"transformers-{transformers.__version__}")
+    return Study(p, model, tok, stats, sweep, select, eval_ids, list(stats.layers), model_fingerprint(model), code,
+                 data_root() / "cache" / "studies" / "llm_compression")
+
+
+# ----------------------------------------------------------------------------- the sweep's noise
+
+@torch.no_grad()
+def token_losses(model: nn.Module, batches) -> torch.Tensor:
+    """``(S, T-1)`` negative log-likelihood of every predicted token of every sequence (float64).
+
+    Their mean over a batch is ``model(**batch).loss``, the loss the sweep measures.
+    """
+    rows = []
+    for b in batches:
+        x = b["input_ids"]  # (B, T)
+        logits = model(input_ids=x, attention_mask=b.get("attention_mask")).logits.float()  # (B, T, V)
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, T-1, V): predicts x[:, 1:]
+        labels = b.get("labels", x)[:, 1:]  # (B, T-1)
+        rows.append(-logp.gather(-1, labels[..., None]).squeeze(-1).double())  # (B, T-1)
+    return torch.cat(rows)
+
+
+def difference_noise(d: torch.Tensor) -> dict:
+    r"""Mean and standard errors of per-token loss differences ``d`` (``S`` sequences x ``T`` tokens).
+
+    ``se_token = sd(d) / sqrt(S T)`` treats tokens as independent (the standard error of per-token
+    loss differences); ``se_sequence = sd(dbar_s) / sqrt(S)`` uses the per-sequence means, which is
+    honest when the tokens of one sequence are correlated (and coarse when ``S`` is small).
+
+    >>> r = difference_noise(torch.tensor([[1.0, -1.0], [1.0, -1.0]]))
+    >>> r["mean"], round(r["sd_token"], 6), round(r["se_token"], 6)
+    (0.0, 1.154701, 0.57735)
+    """
+    d = torch.as_tensor(d, dtype=torch.float64)
+    if d.ndim != 2 or d.numel() < 2:
+        raise FisherkronError(f"d must be a (sequences, tokens) tensor with at least two entries, got {tuple(d.shape)}")
+    S, T = d.shape
+    sd = float(d.reshape(-1).std(unbiased=True))
+    seq = d.mean(1)  # (S,)
+    sd_seq = float(seq.std(unbiased=True)) if S > 1 else float("nan")
+    return {"mean": float(d.mean()), "sd_token": sd, "se_token": sd / math.sqrt(S * T), "sd_sequence": sd_seq,
+            "se_sequence": sd_seq / math.sqrt(S), "sequences": S, "tokens": S * T}
+
+
+@torch.no_grad()
+def sweep_noise(study: Study, method: str, *, ratio: float | None = None, n_layers: int = 8,
+                progress: bool = False) -> list[dict]:
+    r"""How far the least sensitive layers' loss changes stand above the sweep's noise.
+
+    The sweep of ``method`` (cached) ranks the layers by their loss change at the gentlest candidate
+    ``ratio`` (default: the smallest of the protocol's); the ``n_layers`` with the smallest change are
+    compressed alone again at that rank and their per-token loss differences to the dense model are
+    measured on the selection batches, which the sweep did not see (so choosing the layers does not bias
+    the measurement). Per layer: the change on the sweep's batches, the change ``delta`` and the
+    per-token spread ``sd`` on the selection batches, the standard error at the sweep's token count
+    ``sd / sqrt(T_sweep)`` (per-token, and per-sequence), ``z = delta / se`` and the tokens that a
+    change of that size needs to stand two standard errors above the noise, ``(2 sd / delta)^2``.
+    """
+    from ..core.lowrank import LowRankLinear, rank_for_ratio
+    from ..hf.sensitivity import sensitivity_sweep
+
+    p = study.protocol
+    ratio = min(p.sens_ratios) if ratio is None else ratio
+    decs = study.decompositions_of(method)
+    sweep = sensitivity_sweep(study.model, method, study.stats, study.names, study.sweep_batches,
+                              ratios=tuple(p.sens_ratios), mff_options=study.mff_options, decompositions=decs,
+                              progress=progress)
+    mods = dict(study.model.named_modules())
+    ranked = []
+    for name in study.names:
+        n, m = mods[name].weight.shape
+        r = rank_for_ratio(n, m, ratio)
+        if r in sweep["table"][name]:
+            ranked.append((sweep["table"][name][r], name, r))
+    ranked.sort()
+    base = token_losses(study.model, study.select_batches)  # (S, T-1)
+    t_sweep = sum(b["input_ids"].shape[0] * (b["input_ids"].shape[1] - 1) for b in study.sweep_batches)
+    s_sweep = sum(b["input_ids"].shape[0] for b in study.sweep_batches)
+    rows = []
+    for delta_sweep, name, r in tqdm(ranked[:n_layers], desc=f"sweep noise ({method})", disable=not progress):
+        lin = mods[name]
+        dec, _ = decs.get(lin, method, study.stats, name, mff_options=study.mff_options)
+        W2, W1 = dec.factors(r, name)
+        low = LowRankLinear.from_factors(W2.to(lin.weight.dtype), W1.to(lin.weight.dtype),
+                                         lin.bias.detach() if lin.bias is not None else None)
+        study.model.set_submodule(name, low)
+        try:
+            d = token_losses(study.model, study.select_batches) - base  # (S, T-1)
+        finally:
+            study.model.set_submodule(name, lin)
+        noise = difference_noise(d)
+        se_sweep = noise["sd_token"] / math.sqrt(t_sweep)
+        se_seq_sweep = noise["sd_sequence"] / math.sqrt(s_sweep)
+        delta = noise["mean"]
+        rows.append({"layer": name, "rank": r, "ratio": ratio, "delta_sweep": float(delta_sweep), "delta": delta,
+                     "sd_token": noise["sd_token"], "se_token_selection": noise["se_token"],
+                     "se_token_sweep": se_sweep, "se_sequence_sweep": se_seq_sweep,
+                     "z_sweep": delta / se_sweep if se_sweep > 0 else float("inf"),
+                     "tokens_needed": (2 * noise["sd_token"] / delta) ** 2 if delta != 0 else float("inf"),
+                     "sweep_tokens": t_sweep, "selection_tokens": noise["tokens"]})
+    return rows
+
+
+# ----------------------------------------------------------------------------- the pitfall (issue 21, item 6)
+
+def transposed_decomposition(W: torch.Tensor, L_A: torch.Tensor | None, L_B: torch.Tensor | None, *,
+                             name: str = "weight", dtype: torch.dtype = torch.float64):
+    r"""GFWSVD with the output-side Cholesky factor untransposed, as lems-svd/lems computes it.
+
+    Eq. (7) is ``W_r = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}``. lems' ``_factorize_matrix`` (in the
+    ``nn.Linear`` layout ``W``: ``n x m``, out x in; its ``A`` is the output-side factor, our ``B``)
+    computes ``W_r = L_B^{-1} SVD_r(L_B W L_A) L_A^{-1}``: the best rank-``r`` fit in the metric
+    ``L_B^T L_B (x) ...`` instead of ``B = L_B L_B^T``. Both agree when ``L_B`` is diagonal (FWSVD's
+    case, and ``A = B = I``) and at full rank. Returns the
+    :class:`~fisherkron.core.wsvd.Decomposition` (its ``factors(r)`` slice every rank), built by the
+    same kernel with ``L_B^T`` in the left weight's place.
+    """
+    from ..core.wsvd import decompose
+
+    left = None if L_B is None else (L_B if L_B.ndim == 1 else L_B.T)  # the kernel transposes it back: L_B W
+    return decompose(W, left, L_A, dtype=dtype, name=name)
+
+
+def compress_transposed(model: nn.Module, stats, ranks: dict, *, mff_options: dict | None = None,
+                        progress: bool = False) -> dict:
+    """Replace each layer of ``ranks`` (``None``: kept dense) in place by its :func:`transposed_decomposition`
+    factors at that rank, from GFWSVD's own regularised ``L_A``, ``L_B`` (MFF's factors, as
+    :func:`fisherkron.compress` reads them). Returns the selected layers' parameter counts and ratio."""
+    from ..core.lowrank import LowRankLinear, compression_ratio, lowrank_params
+    from ..core.methods import method_weights
+    from ..hf.sensitivity import layer_statistics
+
+    mods = dict(model.named_modules())
+    new, before, after = {}, 0, 0
+    for name, r in tqdm(ranks.items(), desc="compress (transposed GFWSVD)", disable=not progress):
+        lin = mods[name]
+        W = lin.weight.detach()  # (n, m)
+        n, m = W.shape
+        has_bias = lin.bias is not None
+        dense = n * m + (n if has_bias else 0)
+        before += dense
+        if r is None:
+            after += dense
+            continue
+        given = layer_statistics(stats, "gfwsvd", name, mff_options)
+        w = method_weights("gfwsvd", n, m, A=given["A"], B=given["B"], layer=name)  # left L_B, right L_A
+        W2, W1 = transposed_decomposition(W, w.right, w.left, name=name).factors(r, name)
+        new[name] = LowRankLinear.from_factors(W2.to(W.dtype), W1.to(W.dtype),
+                                               lin.bias.detach() if has_bias else None).to(W.device)
+        after += lowrank_params(n, m, r, has_bias)
+    for name, low in new.items():
+        model.set_submodule(name, low)
+    return {"layer_params_before": before, "layer_params_after": after,
+            "layers_ratio": compression_ratio(before, after)}

@@ -1,0 +1,22 @@
+# The decoder study (paper Sec. 6.3 and its appendices): Tabs. Llama31_compression_50 /
+# Llama2_chat_compression_50 (tab_llm_compression_main), Tabs. Llama2_compression / Llama3_compression and
+# Fig. mmlu_avg (tab_llm_compression_mmlu), Tab. ablation_diag_results and the transposition pitfall
+# (tab_ablation_diag). The three notebooks share one calibration entry, the sensitivity sweeps and every
+# scored case (data/cache/studies/llm_compression/), so the second and third reuse what the first computed.
+# Their cost from empty caches is estimated in notebooks/params/<name>.default.yaml.
+#
+# This file uses the `notebook` macro of mk/notebooks.mk, which must be read first: mk/*.mk are read in
+# name order, and llm.mk sorts before notebooks.mk, so the Makefile reads mk/notebooks.mk first (see its
+# include lines). Read before it, this file defines nothing.
+ifdef NB_DIR
+LLM_SRC := $(HF_SRC) $(EXP)/llm_compression.py $(EXP)/llm_summary.py
+
+$(eval $(call notebook,tab_llm_compression_main,$(call tab,tab_llm_compression_main) $(call fig,fig_llm_compression) $(FIGDIR)/tab_llm_compression_main_summary.provenance.json,$(LLM_SRC)))
+tab_llm_compression_main: ## Tabs. Llama31_compression_50 / Llama2_chat_compression_50 + Fig. llm_compression (Sec. 6.3): 5 methods x 2 blocks at 20-50 %, perplexities and six zero-shot tasks, on SmolLM2
+
+$(eval $(call notebook,tab_llm_compression_mmlu,$(call tab,tab_llm_compression_mmlu) $(call fig,fig_mmlu_avg) $(FIGDIR)/tab_llm_compression_mmlu_summary.provenance.json,$(LLM_SRC)))
+tab_llm_compression_mmlu: ## Tabs. Llama2_compression / Llama3_compression + Fig. mmlu_avg (App. MMLU): 5-20 %, perplexities and 5-shot MMLU, on SmolLM2
+
+$(eval $(call notebook,tab_ablation_diag,$(call tab,tab_ablation_diag tab_gfwsvd_transposed) $(FIGDIR)/tab_ablation_diag_summary.provenance.json,$(LLM_SRC)))
+tab_ablation_diag: ## Tab. ablation_diag_results (App.): FWSVD / Diag / Non-diag / Full GFWSVD at the same ranks, and the untransposed-L_B pitfall, on SmolLM2
+endif
