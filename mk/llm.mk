@@ -4,11 +4,7 @@
 # (tab_ablation_diag). The three notebooks share one calibration entry, the sensitivity sweeps and every
 # scored case (data/cache/studies/llm_compression/), so the second and third reuse what the first computed.
 # Their cost from empty caches is estimated in notebooks/params/<name>.default.yaml.
-#
-# This file uses the `notebook` macro of mk/notebooks.mk, which must be read first: mk/*.mk are read in
-# name order, and llm.mk sorts before notebooks.mk, so the Makefile reads mk/notebooks.mk first (see its
-# include lines). Read before it, this file defines nothing.
-ifdef NB_DIR
+# This file calls the `notebook` macro of mk/notebooks.mk, which the Makefile reads before the other mk files.
 LLM_SRC := $(HF_SRC) $(EXP)/llm_compression.py $(EXP)/llm_summary.py
 
 $(eval $(call notebook,tab_llm_compression_main,$(call tab,tab_llm_compression_main) $(call fig,fig_llm_compression) $(FIGDIR)/tab_llm_compression_main_summary.provenance.json,$(LLM_SRC)))
@@ -19,4 +15,3 @@ tab_llm_compression_mmlu: ## Tabs. Llama2_compression / Llama3_compression + Fig
 
 $(eval $(call notebook,tab_ablation_diag,$(call tab,tab_ablation_diag tab_gfwsvd_transposed) $(FIGDIR)/tab_ablation_diag_summary.provenance.json,$(LLM_SRC)))
 tab_ablation_diag: ## Tab. ablation_diag_results (App.): FWSVD / Diag / Non-diag / Full GFWSVD at the same ranks, and the untransposed-L_B pitfall, on SmolLM2
-endif

@@ -50,7 +50,7 @@ seq_len = 256  # paper: 2048
 seed = 0
 sweep_docs = 40  # paper: 600
 heldout_k = 2  # paper: 1 (of 128 x 2,048)
-select_k = 8  # paper: 1
+select_k = 4  # paper: 1
 layers = None  # paper: None
 eval_tokens = 4096  # paper: 0 (all)
 eval_seq_len = 512  # paper: 2048
@@ -108,7 +108,8 @@ abl, tr = df[df.part == "ablation"], df[df.part == "transposed"]
 
 # %%
 table = ls.ablation_table(abl, ratios, rows_order, dense=dense)
-caption = (f"{model_name} (4-bit-quantised weights, dequantised): perplexity at {', '.join(f'{100 * t:g} %' for t in ratios)} "
+at = ", ".join(f"{100 * t:g} %" for t in ratios)
+caption = (f"{model_name} (4-bit-quantised weights, dequantised): perplexity at {at} "
            f"whole-model compression of FWSVD and GFWSVD with diagonal-only, off-diagonal-only and full factors, every "
            f"row with the same per-layer ranks (GFWSVD's sensitivity allocation); first {eval_tokens:,} tokens of a "
            f"Wikipedia text (WikiText-2's role) and of PTB test, {eval_seq_len}-token windows.")

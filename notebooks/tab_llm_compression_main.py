@@ -57,13 +57,13 @@ seq_len = 256  # tokens per sequence; paper: 2048
 seed = 0
 sweep_docs = 40  # documents after the calibration's that give the sweep's batches (the rest: selection); paper: 600
 heldout_k = 2  # sweep batches (batch_size x seq_len tokens each; the noise check below); paper: 1 (of 128 x 2,048)
-select_k = 8  # selection batches; paper: 1 (of 128 x 2,048)
+select_k = 4  # selection batches; paper: 1 (of 128 x 2,048)
 layers = None  # every linear layer of the blocks; paper: None
 eval_tokens = 4096  # first tokens of each evaluation text (0: all); paper: 0
 eval_seq_len = 512  # perplexity window; paper: 2048
-sens_ratios = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]  # ASVD4LLM's candidates (0.9 ... 0.4 kept), as removed fractions; paper: same
+sens_ratios = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]  # ASVD4LLM's candidates (0.9 ... 0.4 kept) as removed; paper: same
 mff_tol = 0.0001  # MFF's target error; paper: 0.0001
-zero_shot_limit = 50  # examples per zero-shot task (None: all); paper: None
+zero_shot_limit = 40  # examples per zero-shot task (None: all); paper: None
 lm_eval_batch_size = 16  # paper: 16
 ratios = [0.2, 0.3, 0.4, 0.5]  # target whole-model ratios; paper: same
 methods = ["fwsvd", "asvd", "svd_llm", "basis_sharing", "gfwsvd"]  # the paper's rows; paper: same
@@ -91,8 +91,8 @@ NB = "notebooks/tab_llm_compression_main.py"
 params = {k_: v for k_, v in dict(globals()).items()
           if k_ in ("profile", "model_name", "calib_docs", "k", "batch_size", "seq_len", "seed", "sweep_docs",
                     "heldout_k", "select_k", "layers", "eval_tokens", "eval_seq_len", "sens_ratios", "mff_tol",
-                    "zero_shot_limit", "lm_eval_batch_size", "ratios", "methods", "extra_methods", "noise_methods", "noise_layers",
-                    "collapse_multiple")}
+                    "zero_shot_limit", "lm_eval_batch_size", "ratios", "methods", "extra_methods", "noise_methods",
+                    "noise_layers", "collapse_multiple")}
 proto = lc.Protocol(model_name=model_name, profile=profile, calib_docs=calib_docs, k=k, batch_size=batch_size,
                     seq_len=seq_len, seed=seed, sweep_docs=sweep_docs, heldout_k=heldout_k, select_k=select_k,
                     layers=layers, eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, sens_ratios=tuple(sens_ratios),
@@ -100,23 +100,37 @@ proto = lc.Protocol(model_name=model_name, profile=profile, calib_docs=calib_doc
 study = lc.prepare(proto, target="tab_llm_compression_main")
 dense = ls.flatten(study.scores(lc.Case("dense", "dense", 0.0), ("heldout", "ppl", "zeroshot")))
 limit_txt = "all examples" if zero_shot_limit is None else f"the first {zero_shot_limit} examples of each task"
+reach = study.sensitivity_reach()
 print(f"{len(study.names)} layers, k = {study.stats.k}; dense: Wikipedia {dense['ppl_wiki']:.2f}, PTB "
-      f"{dense['ppl_ptb']:.2f}, zero-shot average {dense['average']:.3f} ± {dense['average_se']:.3f} ({limit_txt})")
+      f"{dense['ppl_ptb']:.2f}, zero-shot average {dense['average']:.3f} ± {dense['average_se']:.3f} ({limit_txt}); "
+      f"the sensitivity allocation reaches at most {reach:.1%} of the model with ASVD's candidates")
+
+# %% [markdown]
+# **Budget conventions.** ASVD4LLM's `--param_ratio_target p` keeps the fraction `p` of the weights of every
+# `nn.Linear` of the model (its code walks all of them, `lm_head` included) and its candidates keep 0.4 ... 0.9
+# of a layer; its compression ratio is `1 - p` over the linear layers. Ours is the paper's, `1 - compressed /
+# original` over the whole model (embeddings included), over the blocks' linear layers (the paper's selection),
+# each candidate the fraction of a layer removed (0.1 ... 0.6). The table gives both ratios of every row. With
+# at most 60 % of each layer removed, the sensitivity allocation cannot reach the largest ratios of a model whose
+# embeddings are a large share of it (printed above); such rows are marked out of reach.
 
 # %% [markdown]
 # ## The sweep's noise
 # ASVD scores each layer on its calibration set of 32 x 2,048 tokens; our sweep scores on `heldout_k`
 # held-out batches. For GFWSVD and ASVD the least sensitive layers at the gentlest candidate (10 % of a
 # layer removed) are compressed alone again and their per-token loss differences measured on the
-# selection batches (which the sweep did not see): `z_sweep` is the change over its standard error at the
-# sweep's token count (per token; the per-sequence error is beside it), `tokens_needed` the tokens a change
-# of that size needs to stand two standard errors above the noise.
+# selection batches (which the sweep did not see, so picking the layers on the sweep's numbers does not bias
+# the re-measurement): `delta_sweep` is the sweep's change, `delta` the re-measured one (± `se_token_selection`),
+# `sd_token` the spread of per-token loss differences, `se_token_sweep = sd_token / sqrt(sweep tokens)` the
+# sweep's standard error (per token; the per-sequence one beside it), `z_sweep = delta / se_token_sweep`, and
+# `tokens_needed = (2 sd_token / delta)^2` the tokens a change of that size needs to stand two standard errors
+# above the noise (itself uncertain where `delta` is within a few `se_token_selection` of zero).
 
 # %%
 noise = pd.DataFrame([r | {"method": m} for m in noise_methods
                       for r in lc.sweep_noise(study, m, n_layers=noise_layers, progress=True)])
-display(noise[["method", "layer", "rank", "delta_sweep", "delta", "sd_token", "se_token_sweep", "se_sequence_sweep",
-               "z_sweep", "tokens_needed"]])
+display(noise[["method", "layer", "rank", "delta_sweep", "delta", "se_token_selection", "sd_token", "se_token_sweep",
+               "se_sequence_sweep", "z_sweep", "tokens_needed"]])
 sweep_tokens = int(noise["sweep_tokens"].iloc[0])
 above = float((noise["z_sweep"] >= 2).mean())
 print(f"sweep on {sweep_tokens:,} tokens: {above:.0%} of the {len(noise)} least sensitive layer changes stand 2 "
@@ -132,7 +146,8 @@ print(f"sweep on {sweep_tokens:,} tokens: {above:.0%} of the {len(noise)} least 
 # %%
 rows, selections = lc.run_table(study, methods, ratios, ("heldout", "ppl", "zeroshot"), extra=extra_methods)
 df = pd.DataFrame(rows)
-sel = pd.DataFrame([{"method": m, "target": t, **{f"loss_{a}": v for a, v in s["losses"].items()}, "best": s["best"]}
+sel = pd.DataFrame([{"method": m, "target": t, **{f"loss_{a}": v for a, v in s["losses"].items()},
+                     "best": s["best"], "out_of_reach": ", ".join(s["infeasible"])}
                     for m, per in selections.items() for t, s in per.items()])
 display(sel)
 
@@ -142,11 +157,13 @@ caption = (f"{model_name} (4-bit-quantised weights, dequantised) compressed at "
            f"{', '.join(f'{100 * t:g}' for t in ratios)} %: perplexity of the first "
            f"{eval_tokens:,} tokens of a Wikipedia text (WikiText-2's role) and of PTB test ({eval_seq_len}-token "
            f"windows), zero-shot accuracy (lm-eval acc, {limit_txt}) ± standard error and their average. Calibration: "
-           f"{k} batches of {batch_size} x {seq_len} C4 tokens; sweep: {heldout_k} held-out batches, ASVD's candidates. "
+           f"{k} batches of {batch_size} x {seq_len} C4 tokens; sweep: {heldout_k} held-out batches, ASVD's "
+           f"candidates. "
            f"Best per block in bold. Compression ratio 1 - compressed/original (over the linear layers in "
            f"parentheses). Our ASVD uses an exact SVD where ASVD4LLM's code uses a randomised one (torch.svd_lowrank); "
-           f"our SVD-LLM floors its Gram matrix at 1e-3 of its diagonal (PTB 878 against 882 without the floor at 10 %, "
-           f"k = 4). KFAC-SVD is not in the paper.")
+           f"our SVD-LLM floors its Gram matrix at 1e-3 of its diagonal (PTB 878 against 882 without the floor at "
+           f"10 %, k = 4). KFAC-SVD is not in the paper. With ASVD's candidates (at most 60 % of a layer removed) the "
+           f"sensitivity allocation reaches at most {reach:.1%} of this model: rows beyond are out of reach.")
 ls.save(table, "tab_llm_compression_main", output_dir, params, caption=caption, label="tab:llm_compression_main",
         notebook=NB, started=started)
 display(Markdown(table.to_markdown(index=False)))
@@ -193,11 +210,13 @@ for block in ("paper", "best"):
         c = [x for x in cmp if x["target"] == target]
         won = [ls.NAMES[x["other"]] for x in c if x["beats"]]
         lost = [f"{ls.NAMES[x['other']]} (PTB {'won' if x['ppl_ptb'] else 'lost'}, Wikipedia "
-                f"{'won' if x['ppl_wiki'] else 'lost'}, accuracy {x['acc_diff']:+.3f} ± {x['acc_se']:.3f}"
-                f"{', beyond 2 se' if x['acc_beyond_se'] else ', within 2 se'})" for x in c if not x["beats"]]
+                f"{'won' if x['ppl_wiki'] else 'lost'}"
+                + (f", accuracy {x['acc_diff']:+.3f} ± {x['acc_se']:.3f}"
+                   f"{', beyond 2 se' if x['acc_beyond_se'] else ', within 2 se'}" if "acc_diff" in x else "")
+                + ")" for x in c if not x["beats"]]
         lines.append(f"* {ls.BLOCKS[block]}, {100 * target:g} %: GFWSVD beats {', '.join(won) or 'none'}"
                      + (f"; not {'; '.join(lost)}" if lost else "") + ".")
-    beyond = [x for x in cmp if x["acc_beyond_se"]]
+    beyond = [x for x in cmp if x.get("acc_beyond_se")]
     lines.append(f"* {ls.BLOCKS[block]}: {len(beyond)} of {len(cmp)} accuracy gaps between GFWSVD and another method "
                  f"lie beyond two standard errors ({limit_txt}); perplexities are of fixed texts.")
 slopes = ls.degradation(df, methods, block="paper")
@@ -219,12 +238,18 @@ lines.append(f"* Collapsed rows (a perplexity above {collapse_multiple:g}x the d
                 if coll else "") + ".")
 paper_sel = sel[sel["method"].isin(list(lc.PAPER_ALLOCATION))]
 changed = paper_sel[paper_sel["best"] != paper_sel["method"].map(lc.PAPER_ALLOCATION)]
+changed_txt = ", ".join(f"{ls.NAMES[r.method]} at {100 * r.target:g} % ({r.best})" for r in changed.itertuples())
 lines.append(f"* The best allocation here differs from the paper's for {len(changed)} of {len(paper_sel)} "
-             f"(method, ratio) pairs" + (": " + ", ".join(f"{ls.NAMES[r.method]} at {100 * r.target:g} % ({r.best})"
-                                                           for r in changed.itertuples()) if len(changed) else "") + ".")
+             f"(method, ratio) pairs" + (f": {changed_txt}" if len(changed) else "") + ".")
+out = df[df["infeasible"]] if "infeasible" in df else df.iloc[:0]
+verdict["out_of_reach"] = out[["block", "target", "method", "allocation"]].to_dict("records")
+lines.append(f"* Out of reach of ASVD's candidates (at most {reach:.1%} of this model): "
+             + (", ".join(f"{ls.NAMES[r.method]} [{r.allocation}] at {100 * r.target:g} % ({ls.BLOCKS[r.block]})"
+                          for r in out.itertuples()) or "none") + ".")
 lines.append(f"* Sweep noise: {above:.0%} of the least sensitive changes stand two standard errors above the noise "
              f"at {sweep_tokens:,} tokens.")
-verdict.update(dense=dense, sweep_noise=noise.to_dict("records"), selections=sel.to_dict("records"),
+verdict.update(dense=dense, sensitivity_reach=reach, sweep_noise=noise.to_dict("records"),
+               selections=sel.to_dict("records"),
                timings=study.timings, cached=study.cached, sweep_tokens=sweep_tokens, noise_above_2se=above)
 display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "tab_llm_compression_main_summary",

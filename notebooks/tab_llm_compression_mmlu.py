@@ -46,7 +46,7 @@ seq_len = 256  # paper: 2048
 seed = 0
 sweep_docs = 40  # paper: 600
 heldout_k = 2  # paper: 1 (of 128 x 2,048)
-select_k = 8  # paper: 1
+select_k = 4  # paper: 1
 layers = None  # paper: None
 eval_tokens = 4096  # paper: 0 (all)
 eval_seq_len = 512  # paper: 2048
@@ -101,7 +101,8 @@ print(f"dense: Wikipedia {dense['ppl_wiki']:.2f}, PTB {dense['ppl_ptb']:.2f}, MM
 # %%
 rows, selections = lc.run_table(study, methods, ratios, ("heldout", "ppl", "mmlu"), extra=extra_methods)
 df = pd.DataFrame(rows)
-sel = pd.DataFrame([{"method": m, "target": t, **{f"loss_{a}": v for a, v in s["losses"].items()}, "best": s["best"]}
+sel = pd.DataFrame([{"method": m, "target": t, **{f"loss_{a}": v for a, v in s["losses"].items()},
+                     "best": s["best"], "out_of_reach": ", ".join(s["infeasible"])}
                     for m, per in selections.items() for t, s in per.items()])
 display(sel)
 
@@ -150,21 +151,23 @@ for block in ("paper", "best"):
     for target in ratios:
         c = [x for x in cmp if x["target"] == target]
         won = [ls.NAMES[x["other"]] for x in c if x["beats"]]
-        gaps_txt = ", ".join(f"{ls.NAMES[x['other']]} {x['acc_diff']:+.3f} ± {x['acc_se']:.3f}" for x in c)
+        gaps_txt = ", ".join(f"{ls.NAMES[x['other']]} {x['acc_diff']:+.3f} ± {x['acc_se']:.3f}" for x in c
+                             if "acc_diff" in x)
         lines.append(f"* {ls.BLOCKS[block]}, {100 * target:g} %: GFWSVD beats {', '.join(won) or 'none'} on both "
                      f"perplexities and MMLU" + (f"; its MMLU gaps: {gaps_txt}" if c else "") + ".")
-    beyond = [x for x in cmp if x["acc_beyond_se"]]
+    beyond = [x for x in cmp if x.get("acc_beyond_se")]
     lines.append(f"* {ls.BLOCKS[block]}: {len(beyond)} of {len(cmp)} MMLU gaps lie beyond two standard errors.")
-at_chance = [(r["block"], r["target"], r["method"]) for _, r in df.iterrows()
+scored = df[~df["infeasible"]] if "infeasible" in df else df
+at_chance = [(r["block"], r["target"], r["method"]) for _, r in scored.iterrows()
              if ls.chance_level(r["mmlu_average"], r["mmlu_average_se"], chance)]
 dense_chance = ls.chance_level(dense["mmlu_average"], dense["mmlu_average_se"], chance)
 verdict.update(at_chance=at_chance, dense_at_chance=dense_chance)
-lines.append(f"* MMLU cannot tell {len(at_chance)} of {len(df)} compressed rows from chance (within two standard "
+lines.append(f"* MMLU cannot tell {len(at_chance)} of {len(scored)} compressed rows from chance (within two standard "
              f"errors of {chance}); the dense model ({dense['mmlu_average']:.3f} ± {dense['mmlu_average_se']:.3f}) "
              f"{'cannot' if dense_chance else 'can'} be told from chance.")
 gaps = {}
 for m in ("fwsvd", "asvd"):
-    g = [x["acc_diff"] for x in verdict["gfwsvd_beats_paper"] if x["other"] == m]
+    g = [x["acc_diff"] for x in verdict["gfwsvd_beats_paper"] if x["other"] == m and "acc_diff" in x]
     gaps[m] = g
     if len(g) >= 2:
         grows = g[0] > g[-1]

@@ -361,3 +361,46 @@ def test_run_table_gives_two_blocks_with_the_paper_and_the_chosen_allocations(st
     for m in ("svd_llm", "gfwsvd", "kfac_svd"):
         assert got[("best", m)] == sel[m][0.2]["best"] == lc.best_allocation(sel[m][0.2]["losses"])
     assert all(math.isfinite(r["ppl_ptb"]) and r["ratio"] >= 0.2 - 1e-9 for r in rows)
+
+
+def test_first_tokens_tokenise_a_prefix_and_agree_with_the_whole_text():
+    seen = []
+
+    class Words:  # splits on spaces, like a pre-tokenizer; a word cut at the end becomes another token
+        def __call__(self, text, add_special_tokens=False):
+            seen.append(len(text))
+            return {"input_ids": [hash(w) % 1000 for w in text.split(" ")]}
+
+    text = " ".join(f"w{i % 37}" for i in range(20000))  # about 80,000 characters
+    full = lc.first_tokens(Words(), text, 0)
+    assert len(full) == 20000 and seen[-1] == len(text)
+    seen.clear()
+    got = lc.first_tokens(Words(), text, 100, margin=16)
+    assert torch.equal(got, full[:100]) and max(seen) < len(text) // 10
+    short = torch.tensor(Words()(text[:300])["input_ids"])  # fewer than 100 tokens: all of them
+    assert torch.equal(lc.first_tokens(Words(), text[:300], 100), short) and len(short) < 100
+
+
+def test_a_ratio_beyond_the_sweeps_reach_is_out_of_reach_for_the_sensitivity_allocation(study):
+    from fisherkron.hf.budget import count_params
+
+    reach = study.sensitivity_reach()
+    assert 0.2 < reach < 0.6  # 60 % of the linear layers at most, minus the embeddings' share
+    above = math.ceil(100 * reach) / 100 + 0.02
+    assert study.feasible("sensitivity", 0.2) and not study.feasible("sensitivity", above)
+    assert study.feasible("uniform", above) and study.feasible("fisher", above)
+    # the reach is what the threshold search can remove: just below it the allocation exists
+    got = study.scores(lc.Case("asvd", "sensitivity", math.floor(1000 * reach) / 1000))["heldout"]
+    assert got["ratio"] <= reach + 1.0 / count_params(study.model)
+    sel = study.selection("asvd", above)
+    assert sel["infeasible"] == ["sensitivity"] and set(sel["losses"]) == {"uniform", "fisher"}
+    rows, _ = lc.run_table(study, ["asvd"], [above], ("heldout", "ppl"), progress=False)
+    paper = [r for r in rows if r["block"] == "paper"][0]
+    assert paper["infeasible"] and "ppl_ptb" not in paper
+    df = pd.DataFrame(rows)
+    table = ls.main_table(df.assign(**{t: 0.3 for t in ls.ZERO_SHOT}, **{f"{t}_se": 0.01 for t in ls.ZERO_SHOT},
+                                    average=0.3, average_se=0.01), [above],
+                          {"ppl_wiki": 9.0, "ppl_ptb": 20.0, "average": 0.5, "average_se": 0.01,
+                           **{t: 0.5 for t in ls.ZERO_SHOT}, **{f"{t}_se": 0.01 for t in ls.ZERO_SHOT}})
+    assert table.iloc[1]["Method"].endswith("out of reach") and table.iloc[1]["PTB"] == "n/a"
+    assert ls.compare(df, [above], "asvd", ["asvd"]) == []  # no scores, no comparison

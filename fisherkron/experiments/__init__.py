@@ -13,6 +13,8 @@ module                      what it holds
 ``glue_summary``            its tables (Tab. glue_results, glue_extended) and verdicts
 ``rank_allocation``         the rank-allocation study (Sec. 6.3 protocol): methods x allocations x ratios
 ``calibration_study``       calibration at scale: quality and cost against k and granularity
+``llm_compression``         the decoder study (Sec. 6.3 and appendices): protocol, cached cases, sweep noise
+``llm_summary``             its tables in the paper's layout and its verdicts
 ``figures``                 figures and tables written atomically with provenance records
 ``readme``                  README.md's generated numbers, rendered from the committed outputs
 ==========================  ================================================================

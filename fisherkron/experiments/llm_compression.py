@@ -49,9 +49,9 @@ from ..env import atomic_write, data_root
 from .llm_summary import ZERO_SHOT, mmlu_scores, zero_shot_scores
 
 __all__ = ["CODE_VERSION", "STUDY_METHODS", "ALLOCATIONS", "PAPER_ALLOCATION", "ASVD_CANDIDATES", "KINDS",
-           "Protocol", "Case", "Study", "check_reachable", "study_stats", "calibrate", "prepare", "case_config",
-           "case_key", "best_allocation", "run_table", "token_losses", "difference_noise", "sweep_noise",
-           "transposed_decomposition", "compress_transposed"]
+           "Protocol", "Case", "Study", "check_reachable", "study_stats", "calibrate", "first_tokens", "prepare",
+           "case_config", "case_key", "best_allocation", "run_table", "token_losses", "difference_noise",
+           "sweep_noise", "transposed_decomposition", "compress_transposed"]
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,25 @@ def _sources_hash() -> str:
     for rel in _SOURCES:
         h.update((pkg / rel).read_bytes())
     return h.hexdigest()
+
+
+def first_tokens(tokenizer, text: str, n: int, margin: int = 256) -> torch.Tensor:
+    """The first ``n`` token ids of ``text`` (``n = 0``: all of them), tokenising only a prefix.
+
+    A tokenizer splits text into words before it merges, so a prefix's tokens agree with the whole
+    text's except near the cut; the prefix is grown until it holds ``n + margin`` tokens.
+    """
+    from ..hf.evaluate import _token_ids
+
+    if n <= 0:
+        return _token_ids(tokenizer, text)
+    chars = 8 * (n + margin)
+    while chars < len(text):
+        ids = _token_ids(tokenizer, text[:chars])
+        if ids.numel() >= n + margin:
+            return ids[:n]
+        chars *= 2
+    return _token_ids(tokenizer, text)[:n]
 
 
 def _ids_fingerprint(ids: dict[str, torch.Tensor]) -> str:
@@ -387,7 +406,7 @@ class Study:
                 if case.allocation == "sensitivity":
                     kw["allocation_options"] = {"heldout": self.sweep_batches,
                                                 "sensitivity_ratios": tuple(self.protocol.sens_ratios)}
-            rep = compress(model, case.method, self.stats, self.protocol.layers, mff_options=self.mff_options,
+            rep = compress(model, case.method, self.stats, None, mff_options=self.mff_options,  # the stats' layers
                            decompositions=self.decompositions_of(case.method), progress=progress, **kw)
             cost = rep.allocation_cost or {}
             info = {"layers_ratio": rep.layers_ratio, "ranks": {n: lr.rank if lr.skipped is None else None
@@ -454,10 +473,53 @@ class Study:
         del model
         return out
 
+    def max_sensitivity_removal(self) -> int:
+        """Parameters removed with every layer at the sweep's largest candidate: the most the sensitivity
+        allocation can reach. ASVD's candidates remove at most 60 % of a layer, so where the embeddings are a
+        large share of the model (21 % of SmolLM2) the largest whole-model ratios are out of its reach."""
+        from ..core.allocation import saving
+        from ..core.lowrank import rank_for_ratio
+
+        mods = dict(self.model.named_modules())
+        top = max(self.protocol.sens_ratios)
+        return sum(max(saving(*mods[name].weight.shape, rank_for_ratio(*mods[name].weight.shape, top)), 0)
+                   for name in self.names)
+
+    def sensitivity_reach(self) -> float:
+        """:meth:`max_sensitivity_removal` as a whole-model ratio."""
+        from ..hf.budget import count_params
+
+        return self.max_sensitivity_removal() / count_params(self.model)
+
+    def feasible(self, allocation: str, ratio: float) -> bool:
+        """Whether ``allocation`` can reach ``ratio`` (only the sensitivity allocation is bounded)."""
+        from ..hf.budget import count_params
+
+        return allocation != "sensitivity" or math.ceil(ratio * count_params(self.model)) <= \
+            self.max_sensitivity_removal()
+
+    def sweep(self, method: str, progress: bool = True) -> dict:
+        """ASVD's sensitivity sweep of ``method`` on the sweep batches (cached by the library, resumable), run with
+        its progress bar before the first sensitivity case needs it; that case and :func:`sweep_noise` then read
+        the same cache entry (the same model, layers in the statistics' order, batches, candidates and options)."""
+        from ..hf.sensitivity import sensitivity_sweep
+
+        return sensitivity_sweep(self.model, method, self.stats, self.names, self.sweep_batches,
+                                 ratios=tuple(self.protocol.sens_ratios), mff_options=self.mff_options,
+                                 decompositions=self.decompositions_of(method), progress=progress)
+
     def selection(self, method: str, ratio: float, allocations=ALLOCATIONS) -> dict:
-        """Each allocation's held-out selection loss for ``method`` at ``ratio``, and the best (:func:`best_allocation`)."""
-        losses = {a: self.scores(Case(method, a, ratio), ("heldout",))["heldout"]["loss"] for a in allocations}
-        return {"losses": losses, "best": best_allocation(losses, tuple(allocations))}
+        """Each allocation's held-out selection loss for ``method`` at ``ratio``, and the best one
+        (:func:`best_allocation`).
+
+        An allocation that cannot reach ``ratio`` (:meth:`feasible`) is skipped and listed in ``infeasible``.
+        """
+        tried = [a for a in allocations if self.feasible(a, ratio)]
+        if "sensitivity" in tried:
+            self.sweep(method)
+        losses = {a: self.scores(Case(method, a, ratio), ("heldout",))["heldout"]["loss"] for a in tried}
+        return {"losses": losses, "best": best_allocation(losses, tuple(tried)),
+                "infeasible": [a for a in allocations if a not in tried]}
 
 
 def run_table(study: Study, methods, targets, kinds, *, extra=(), allocations=ALLOCATIONS,
@@ -466,8 +528,9 @@ def run_table(study: Study, methods, targets, kinds, *, extra=(), allocations=AL
 
     Block ``"paper"``: each of ``methods`` allocated as the paper ran it (:data:`PAPER_ALLOCATION`);
     block ``"best"``: each of ``methods`` and ``extra`` with its best of ``allocations`` on the held-out
-    selection loss (:meth:`Study.selection`; Basis Sharing keeps its own rank rule in both). Work runs
-    method by method, so each method's weighted SVDs are computed once for all its cases. Returns
+    selection loss (:meth:`Study.selection`; Basis Sharing keeps its own rank rule in both). A paper row whose
+    allocation cannot reach the ratio (:meth:`Study.feasible`) is kept with ``infeasible=True`` and no scores.
+    Work runs method by method, so each method's weighted SVDs are computed once for all its cases. Returns
     ``(rows, selections)``: one dict per (block, target, method) with the case and its :func:`flatten`-ed
     scores, and ``{method: {target: selection}}``.
     """
@@ -490,9 +553,11 @@ def run_table(study: Study, methods, targets, kinds, *, extra=(), allocations=AL
                 if block == "paper" and method not in methods:
                     continue
                 case = Case(method, allocation, target)
-                scores = study.scores(case, kinds)
-                rows.append({"block": block, "target": target, "method": method, "allocation": allocation,
-                             "label": case.label, **flatten(scores)})
+                row = {"block": block, "target": target, "method": method, "allocation": allocation,
+                       "label": case.label, "infeasible": not study.feasible(allocation, target)}
+                if not row["infeasible"]:
+                    row.update(flatten(study.scores(case, kinds)))
+                rows.append(row)
             bar.update(1)
     bar.close()
     return rows, selections
@@ -505,7 +570,6 @@ def prepare(protocol: Protocol, target: str = "tab_llm_compression_main", progre
     """
     from .. import hf
     from ..hf.calibration import model_fingerprint
-    from ..hf.evaluate import _token_ids
 
     check_reachable(protocol.model_name, target)
     p = protocol
@@ -523,10 +587,7 @@ def prepare(protocol: Protocol, target: str = "tab_llm_compression_main", progre
     stats = calibrate(model, batches, p, progress=progress)
     profile = "paper" if p.profile == "paper" else "default"
     texts = {"wiki": hf.wiki_text(profile=profile), "ptb": hf.ptb("test", profile=profile)}
-    eval_ids = {}
-    for name, text in texts.items():
-        ids = _token_ids(tok, text)
-        eval_ids[name] = ids[:p.eval_tokens] if p.eval_tokens else ids
+    eval_ids = {name: first_tokens(tok, text, p.eval_tokens) for name, text in texts.items()}
     import transformers
 
     code = (f"{CODE_VERSION}/{__version__}/{_sources_hash()}/torch-{torch.__version__}/"
@@ -590,14 +651,11 @@ def sweep_noise(study: Study, method: str, *, ratio: float | None = None, n_laye
     change of that size needs to stand two standard errors above the noise, ``(2 sd / delta)^2``.
     """
     from ..core.lowrank import LowRankLinear, rank_for_ratio
-    from ..hf.sensitivity import sensitivity_sweep
 
     p = study.protocol
     ratio = min(p.sens_ratios) if ratio is None else ratio
     decs = study.decompositions_of(method)
-    sweep = sensitivity_sweep(study.model, method, study.stats, study.names, study.sweep_batches,
-                              ratios=tuple(p.sens_ratios), mff_options=study.mff_options, decompositions=decs,
-                              progress=progress)
+    sweep = study.sweep(method, progress=progress)
     mods = dict(study.model.named_modules())
     ranked = []
     for name in study.names:

@@ -32,9 +32,10 @@ __all__ = ["NAMES", "ZERO_SHOT", "TASK_NAMES", "METRIC", "MMLU_CATEGORIES", "CAT
            "main_table", "mmlu_table", "ablation_table", "transposed_table", "latex", "save", "gap", "compare",
            "degradation", "ablation_order", "collapsed", "chance_level"]
 
-NAMES = {"dense": "Full model", "fwsvd": "FWSVD", "asvd": "ASVD", "svd_llm": "SVD-LLM", "basis_sharing": "Basis Sharing",
-         "gfwsvd": "GFWSVD", "kfac_svd": "KFAC-SVD (not in the paper)", "gfwsvd_diag": "Diag GFWSVD",
-         "gfwsvd_offdiag": "Non-diag GFWSVD", "gfwsvd_transposed": "GFWSVD, L_B untransposed (lems)", "svd": "SVD"}
+NAMES = {"dense": "Full model", "fwsvd": "FWSVD", "asvd": "ASVD", "svd_llm": "SVD-LLM",
+         "basis_sharing": "Basis Sharing", "gfwsvd": "GFWSVD", "kfac_svd": "KFAC-SVD (not in the paper)",
+         "gfwsvd_diag": "Diag GFWSVD", "gfwsvd_offdiag": "Non-diag GFWSVD",
+         "gfwsvd_transposed": "GFWSVD, L_B untransposed (lems)", "svd": "SVD"}
 #: the zero-shot tasks of Tabs. Llama31_compression_50 / Llama2_chat_compression_50, in the paper's order
 ZERO_SHOT = ("arc_challenge", "arc_easy", "hellaswag", "piqa", "winogrande", "openbookqa")
 TASK_NAMES = {"arc_challenge": "ARC-C", "arc_easy": "ARC-E", "hellaswag": "HellaSwag", "piqa": "PIQA",
@@ -181,6 +182,18 @@ def _method_cell(r) -> str:
     return f"{name} [{r['allocation']}]"
 
 
+def _infeasible(r) -> bool:
+    v = r.get("infeasible", False)
+    return bool(v) if v is not None and not (isinstance(v, float) and math.isnan(v)) else False
+
+
+def _scored(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows that have scores (an allocation out of reach of the ratio has none)."""
+    if "infeasible" not in rows:
+        return rows
+    return rows[~rows["infeasible"].fillna(False).astype(bool)]
+
+
 def _bold(cells: list[str], values: list[float], higher: bool) -> list[str]:
     """Bold the best finite value(s) of a block (ties all bold)."""
     finite = [v for v in values if v is not None and math.isfinite(v)]
@@ -197,6 +210,9 @@ def _table(rows: pd.DataFrame, targets, columns: list[tuple[str, str, str | None
     out = []
 
     def cells(r) -> dict:
+        if _infeasible(r):
+            return {"Method": f"{_method_cell(r)}: out of reach", "C. Ratio (linear)": "",
+                    **{head: "n/a" for head, *_ in columns}}
         c = {"Method": _method_cell(r), "C. Ratio (linear)": _ratio_cell(r) if r["method"] != "dense" else "0 %"}
         for head, col, se, _ in columns:
             v = r.get(col, float("nan"))
@@ -333,6 +349,7 @@ def gap(a: float, se_a: float, b: float, se_b: float, z: float = 2.0) -> dict:
 
 
 def _row(rows: pd.DataFrame, target: float, method: str, block: str = "paper"):
+    rows = _scored(rows)
     sub = rows[(rows["method"] == method) & np.isclose(rows["target"], target) & (rows["block"] == block)]
     return None if sub.empty else sub.iloc[0]
 
@@ -362,12 +379,14 @@ def compare(rows: pd.DataFrame, targets, ours: str = "gfwsvd", others=("fwsvd", 
 
 def degradation(rows: pd.DataFrame, methods, block: str = "paper", text: str = "ptb") -> dict[str, float]:
     """How fast each method degrades: the least-squares slope of ``log(ppl)`` against the target ratio over
-    the table's ratios (nats per unit ratio; ``nan`` with fewer than two ratios)."""
+    the table's ratios where the method has scores (nats per unit ratio; ``nan`` with fewer than two)."""
     out = {}
+    rows = _scored(rows)
     for m in methods:
         sub = rows[(rows["method"] == m) & (rows["block"] == block)].sort_values("target")
         x, y = sub["target"].to_numpy(float), np.log(sub[f"ppl_{text}"].to_numpy(float))
-        out[m] = float(np.polyfit(x, y, 1)[0]) if len(sub) >= 2 and np.all(np.isfinite(y)) else float("nan")
+        ok = np.isfinite(y)
+        out[m] = float(np.polyfit(x[ok], y[ok], 1)[0]) if ok.sum() >= 2 else float("nan")
     return out
 
 
@@ -391,7 +410,7 @@ def ablation_order(rows: pd.DataFrame, targets, order=("fwsvd", "gfwsvd_diag", "
 def collapsed(rows: pd.DataFrame, dense: dict, multiple: float) -> list[dict]:
     """The rows whose PTB or Wikipedia perplexity exceeds ``multiple`` times the dense model's."""
     out = []
-    for _, r in rows.iterrows():
+    for _, r in _scored(rows).iterrows():
         worst = max(r["ppl_ptb"] / dense["ppl_ptb"], r["ppl_wiki"] / dense["ppl_wiki"])
         if worst > multiple:
             out.append({"target": float(r["target"]), "block": r["block"], "method": r["method"],
