@@ -15,3 +15,7 @@ tab_llm_compression_mmlu: ## Tabs. Llama2_compression / Llama3_compression + Fig
 
 $(eval $(call notebook,tab_ablation_diag,$(call tab,tab_ablation_diag tab_gfwsvd_transposed) $(FIGDIR)/tab_ablation_diag_summary.provenance.json,$(LLM_SRC)))
 tab_ablation_diag: ## Tab. ablation_diag_results (App.): FWSVD / Diag / Non-diag / Full GFWSVD at the same ranks, and the untransposed-L_B pitfall, on SmolLM2
+
+# Issue 22: the rank allocations' quality against their cost, on the decoder study's calibration and sweeps.
+$(eval $(call notebook,fig_allocation_cost,$(call tab,tab_allocation_cost) $(call fig,fig_allocation_cost fig_allocation_prediction) $(FIGDIR)/fig_allocation_cost_summary.provenance.json,$(LLM_SRC) $(EXP)/allocation_cost.py))
+fig_allocation_cost: ## Fig. + Tab. allocation_cost (beyond the paper): uniform / fisher / sensitivity / lems / calibrated allocations, quality against evaluations spent, on SmolLM2

@@ -61,6 +61,12 @@ CODE_VERSION = "llm-compression-1"
 STUDY_METHODS = ("fwsvd", "asvd", "svd_llm", "gfwsvd", "gfwsvd_diag", "gfwsvd_offdiag", "kfac_svd", "basis_sharing")
 #: the allocations a method is tried with; its best is chosen on the held-out selection loss
 ALLOCATIONS = ("uniform", "fisher", "sensitivity")
+#: the allocations that measure one point per layer on the sweep batches (issue 22): a case's allocation
+#: name -> the library's strategy and its options (``fisherkron.hf.allocation.allocate``); the Theorem-1
+#: curves calibrated by the held-out loss (the default) or by the KL divergence, and LEMS's baseline
+MEASURED = {"calibrated": ("calibrated", {}),
+            "calibrated_kl": ("calibrated", {"calibrate_metric": "kl"}),
+            "lems": ("lems", {})}
 #: how the paper ran each method (Sec. 6.3): GFWSVD with ASVD's sensitivity scores (its own sweep), ASVD
 #: with its own, SVD-LLM uniform as its authors' code, FWSVD uniform as the paper describes it, Basis
 #: Sharing with its own rank rule
@@ -239,6 +245,9 @@ def case_config(*, method: str, allocation: str, ratio: float, kind: str, model:
     if uses_sweep and not dense:
         cfg["sweep"] = sweep
         cfg["candidates"] = [float(c) for c in (candidates or ())]
+    if allocation in MEASURED and not dense:  # one point per layer, measured on the sweep batches
+        cfg["sweep"] = sweep
+        cfg["measured"] = _jsonable(MEASURED[allocation][1])
     if allocation == "ranks" and ranks is not None:
         cfg["ranks"] = hashlib.blake2b(json.dumps(sorted(ranks.items()), default=str).encode(),
                                        digest_size=12).hexdigest()
@@ -396,6 +405,16 @@ class Study:
             ranks = self.ranks_of(case)
             rep = compress_transposed(model, self.stats, ranks, mff_options=self.mff_options, progress=progress)
             info = {"layers_ratio": rep["layers_ratio"], "ranks": ranks}
+        elif case.allocation in MEASURED:
+            alloc = self.allocation(case, progress=progress)
+            rep = compress(model, case.method, self.stats, None, ranks=alloc.ranks, mff_options=self.mff_options,
+                           decompositions=self.decompositions_of(case.method), progress=progress)
+            d = alloc.details
+            info = {"layers_ratio": rep.layers_ratio, "ranks": dict(alloc.ranks),
+                    "allocation_evaluations": alloc.evaluations, "sweep_seconds": d.get("sweep_seconds", 0.0),
+                    "allocation_seconds": alloc.seconds, "predicted": dict(alloc.predicted or {}),
+                    "scales": d.get("scales"), "fallback_scale": d.get("fallback_scale"),
+                    "solver": {k: d.get(k) for k in ("solver", "optimal", "gap", "mip_gap", "solve_seconds")}}
         else:
             kw: dict = {}
             if case.allocation == "ranks":
@@ -416,6 +435,17 @@ class Study:
         info["ratio"] = 1.0 - count_params(model) / before  # the paper's 1 - compressed / original
         info["compress_seconds"] = time.perf_counter() - t
         return model, info
+
+    def allocation(self, case: Case, progress: bool = False):
+        """The :class:`~fisherkron.hf.allocation.Allocation` of a measured case (:data:`MEASURED`): its one
+        point per layer measured on the sweep batches (cached by the library like the sweep), its curves
+        from the method's kept SVDs, its ranks from the exact integer program."""
+        from ..hf.allocation import allocate
+
+        strategy, options = MEASURED[case.allocation]
+        return allocate(self.model, case.method, self.stats, self.names, ratio=case.ratio, strategy=strategy,
+                        heldout=self.sweep_batches, mff_options=self.mff_options,
+                        decompositions=self.decompositions_of(case.method), progress=progress, **options)
 
     # -- evaluation
     @torch.no_grad()
