@@ -15,7 +15,7 @@ from fisherkron.hf.saving import load_compressed, save_compressed
 from fisherkron.hf.sensitivity import sensitivity_sweep
 from fisherkron.hf.surgery import compress, count_params
 from fisherkron.testing import F64_REL, RELOAD
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, token_batches
 
 SHAPES = [(7, 5), (5, 8), (6, 6)]
 
@@ -115,12 +115,7 @@ def test_choose_by_threshold_is_asvd_threshold_search():
 
 # ---------------------------------------------------------------------------- model level
 def _batches(k=4, seed=0, B=2, T=10):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(k):
-        x = torch.randint(1, 97, (B, T), generator=g)
-        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
-    return out
+    return token_batches(k=k, seed=seed, B=B, T=T)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from fisherkron.core.conventions import FisherkronError
 from fisherkron.experiments import allocation_cost as ac
 from fisherkron.experiments import llm_compression as lc
 from fisherkron.hf.calibration import collect_calibration
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, token_batches
 
 
 def test_cost_of_free_and_measuring_allocations():
@@ -61,12 +61,7 @@ def test_target_on_a_known_table():
 # ----------------------------------------------------------------------------- measured cases, end to end
 
 def _batches(k, seed, B=2, T=12):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(k):
-        x = torch.randint(1, 97, (B, T), generator=g)
-        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
-    return out
+    return token_batches(k=k, seed=seed, B=B, T=T)
 
 
 @pytest.fixture(scope="module")

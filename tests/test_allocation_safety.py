@@ -27,7 +27,7 @@ from fisherkron.hf.saving import load_compressed, save_compressed
 from fisherkron.hf.sensitivity import sensitivity_sweep
 from fisherkron.hf.surgery import compress
 from fisherkron.testing import RELOAD
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, token_batches
 
 LAYERS = ["model.layers.0.mlp.up_proj", "model.layers.1.self_attn.o_proj"]
 RATIOS = (0.3, 0.6)
@@ -35,12 +35,7 @@ LOGGER = "fisherkron.hf.sensitivity"  # the sweep's
 
 
 def _batches(k=2, seed=0, B=2, T=10):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(k):
-        x = torch.randint(1, 97, (B, T), generator=g)
-        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
-    return out
+    return token_batches(k=k, seed=seed, B=B, T=T)
 
 
 def _sweep(model, cache_dir, method="svd", stats=None, **kw):

@@ -12,7 +12,7 @@ from fisherkron.hf.basis_sharing import PROJECTIONS, compress_basis_sharing, pla
 from fisherkron.hf.calibration import collect_calibration
 from fisherkron.hf.surgery import compress, count_params
 from fisherkron.testing import F64_REL, FLOAT64
-from tiny_models import tiny_bert
+from tiny_models import tiny_bert, token_batches
 
 #: a whole model whose every stacked weight has rank <= r is reproduced up to float32 round-off of
 #: 28 factorised layers: measured 1.6e-7 of max |logit|; a wrong split or basis is O(1)
@@ -31,12 +31,7 @@ def tiny_decoder(seed=0, layers=4, kv_heads=2):
 
 
 def batches(k=4, B=2, T=9, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(k):
-        x = torch.randint(1, 97, (B, T), generator=g)
-        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
-    return out
+    return token_batches(k=k, B=B, T=T, seed=seed)
 
 
 def calibrate(model, tmp_path, stats=("xxt",)):

@@ -22,8 +22,6 @@ import torch.nn.functional as F
 from transformers import BertTokenizerFast
 
 import fisherkron as fk
-import fisherkron.cli.options as cli_options
-import fisherkron.hf as api
 from fisherkron.cli import main
 from fisherkron.core.allocation import depth_bias, energy_shape, scale_to_points
 from fisherkron.core.lowrank import rank_for_ratio
@@ -32,7 +30,8 @@ from fisherkron.hf.calibration import collect_calibration
 from fisherkron.hf.sensitivity import OutputKL, PrefixReplay, loss_with_factors, sensitivity_sweep
 from fisherkron.hf.surgery import compress, count_params
 from fisherkron.testing import F64_REL
-from tiny_models import tiny_llama
+from cli_harness import loader, run_cli  # noqa: F401 (loader: a fixture)
+from tiny_models import tiny_llama, token_batches
 
 MFF = dict(max_matvecs=60)
 #: a float32 loss of a tiny model, measured twice through different block paths (replayed or not)
@@ -40,12 +39,7 @@ REPLAY = 1e-6
 
 
 def _batches(k=4, seed=0, B=2, T=10):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(k):
-        x = torch.randint(1, 97, (B, T), generator=g)
-        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
-    return out
+    return token_batches(k=k, seed=seed, B=B, T=T)
 
 
 @pytest.fixture(scope="module")
@@ -337,29 +331,7 @@ def test_lems_needs_no_statistics_for_svd(tmp_path):
 
 # ---------------------------------------------------------------------------- the command line
 
-@pytest.fixture
-def loader(monkeypatch, tmp_path):
-    """Record every attempt to load a model, and stop there (the checks under test come before it)."""
-    monkeypatch.setenv("FISHERKRON_DATA", str(tmp_path / "data"))
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    calls = []
-
-    def load(*a, **k):
-        calls.append(a)
-        raise KeyboardInterrupt  # the CLI reports it in one line with status 130
-
-    monkeypatch.setattr(cli_options, "load_model", load)
-    monkeypatch.setattr(api, "load_model", load)
-    monkeypatch.setattr(api, "load_compressed", load)
-    return calls
-
-
-def _run(argv, capsys) -> tuple[int, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err.strip()
+_run = run_cli
 
 
 @pytest.mark.parametrize("extra", [["--allocation", "calibrated"], ["--allocation", "lems"],

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 from distributed_ranks import run_ranks
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, token_batches
 
 import fisherkron as fk
 from fisherkron.core.conventions import FisherkronError
@@ -48,12 +48,7 @@ F64_MFF = {"dtype": torch.float64, "tol": MFF_REF_TOL}
 
 
 def _batches(k=4, B=2, T=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(k):
-        x = torch.randint(1, 97, (B, T), generator=g)
-        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
-    return out
+    return token_batches(k=k, B=B, T=T, seed=seed)
 
 
 def _interrupted(folder, after=2, k=4, name="t", **kw):

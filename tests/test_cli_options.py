@@ -6,36 +6,9 @@ torchrun, the process group) were loaded, or were ignored.
 """
 import pytest
 
-import fisherkron.cli.options as opt
-import fisherkron.hf as api
-from fisherkron.cli import main
+from cli_harness import loader, run_cli  # noqa: F401 (loader: a fixture)
 
-
-@pytest.fixture
-def loader(monkeypatch, tmp_path):
-    """Record every attempt to load a model, and stop there (the checks under test come before it)."""
-    monkeypatch.setenv("FISHERKRON_DATA", str(tmp_path / "data"))
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delenv("RANK", raising=False)
-    calls = []
-
-    def load(*a, **k):
-        calls.append(a)
-        raise KeyboardInterrupt  # the CLI reports it in one line with status 130
-
-    monkeypatch.setattr(opt, "load_model", load)
-    monkeypatch.setattr(api, "load_model", load)
-    monkeypatch.setattr(api, "load_compressed", load)
-    return calls
-
-
-def _run(argv, capsys) -> tuple[int, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err.strip()
-
+_run = run_cli
 
 BASE = ["compress", "smollm2", "--rank", "2", "--k", "2"]
 

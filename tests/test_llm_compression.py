@@ -14,7 +14,7 @@ from fisherkron.experiments import llm_compression as lc
 from fisherkron.experiments import llm_summary as ls
 from fisherkron.hf.calibration import collect_calibration
 from fisherkron.testing import FLOAT64, F64_REL
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, token_batches
 
 #: a float32 mean of a few hundred token losses, reached by two summation orders (default_loss, token_losses)
 LOSS_F32_REL = 1e-5
@@ -151,12 +151,7 @@ def test_difference_noise_converges_to_the_sampling_spread():
 
 
 def _batches(k=3, B=2, T=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(k):
-        x = torch.randint(1, 97, (B, T), generator=g)
-        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
-    return out
+    return token_batches(k=k, B=B, T=T, seed=seed)
 
 
 def test_token_losses_average_to_the_model_loss():

@@ -16,3 +16,14 @@ def tiny_bert(seed=0):
     cfg = BertConfig(vocab_size=50, hidden_size=20, num_hidden_layers=2, num_attention_heads=2,
                      intermediate_size=36, max_position_embeddings=32, num_labels=3)
     return BertForSequenceClassification(cfg).eval()
+
+
+def token_batches(k=4, seed=0, B=2, T=10, vocab=97):
+    """``k`` seeded causal-LM batches of ``B`` sequences of ``T`` random token ids in ``[1, vocab)`` (labels =
+    inputs), the calibration / held-out data of the tiny-model tests."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(k):
+        x = torch.randint(1, vocab, (B, T), generator=g)
+        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
+    return out
