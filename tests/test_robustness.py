@@ -24,16 +24,11 @@ from fisherkron.hf.registry import load_model
 from fisherkron.hf.saving import MANIFEST, load_compressed, save_compressed
 from fisherkron.hf.surgery import compress
 from fisherkron.testing import FLOAT64, MODEL_F32_REL, RELOAD
-from tiny_models import tiny_bert, tiny_llama
+from tiny_models import tiny_bert, tiny_llama, token_batches
 
 
 def _batches(vocab=97, k=3, B=2, T=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(k):
-        x = torch.randint(1, vocab, (B, T), generator=g)
-        out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
-    return out
+    return token_batches(k=k, seed=seed, B=B, T=T, vocab=vocab)
 
 
 def _one_line(exc) -> str:
