@@ -139,7 +139,12 @@ table = table.sort_values(["covariance", "rank"], ignore_index=True)
 table["covariance"] = table["covariance"].astype(str)
 figures.save_table(table, "tab_diag_full_synth", output_dir, params, started=started, notebook=NOTEBOOK,
                    floatfmt=".3f", caption="Validation accuracy of the MLP after compressing its input layer "
-                   f"to rank r (mean and std over {seeds} seeds).", label="tab:diag_full_synth")
+                   f"to rank r (mean and std over {seeds} seeds).", label="tab:diag_full_synth",
+                   # make verify: seed means within 3 standard errors (float32 training differs across CPUs),
+                   # at least 0.1 pp; the dense mean has no std column here: 1 pp; stds within half their size
+                   tolerances={"covariance": "exact", "rank": "exact", "dense mean": "abs=0.01",
+                               **{f"{m} mean": f"3*sd({m} std)/sqrt({seeds}) + abs=0.001" for m in cfg.methods},
+                               **{f"{m} std": "rel=0.5 + abs=0.002" for m in cfg.methods}})
 table
 
 # %% [markdown]
@@ -183,7 +188,10 @@ gaps = synthetic.accuracy_gaps(df, reference="gfwsvd", others=("fwsvd", "gfwsvd_
 gaps["fisher share"] = gaps["covariance"].map(share)
 figures.save_table(gaps, "tab_synthetic_gaps", output_dir, params, started=started, notebook=NOTEBOOK,
                    floatfmt=".4f", caption=f"Mean accuracy gap GFWSVD - other over ranks <= {gap_max_rank} "
-                   f"(standard error over {seeds} seeds).", label="tab:synthetic_gaps")
+                   f"(standard error over {seeds} seeds).", label="tab:synthetic_gaps",
+                   tolerances={"covariance": "exact", "versus": "exact", "seeds": "exact",
+                               "gap": "3*se(se) + abs=0.001", "se": "rel=0.5 + abs=0.001",
+                               "fisher share": "rel=0.05"})  # make verify (seed means: 3 standard errors)
 gaps
 
 # %%

@@ -142,7 +142,11 @@ figures.save_table(flop_table, "tab_flops_comparison", output_dir, params, start
                    notebook="notebooks/tab_throughput.py", floatfmt=".4g", label="tab:flops_comparison",
                    caption=f"FLOPs of one forward pass over {flop_seq_len} tokens (batch 1; 2 FLOPs per multiply-add "
                            f"of every matrix product), uniform per-layer ratios; analytic and counted by "
-                           f"FlopCounterMode; the paper's Llama 2 7B numbers beside ours")
+                           f"FlopCounterMode; the paper's Llama 2 7B numbers beside ours",
+                   tolerances={"model": "exact", "target ratio": "exact", "params removed": "rel=1e-9",
+                               "TFLOPs (analytic)": "rel=1e-9", "TFLOPs (FlopCounterMode)": "rel=1e-9", "equal": "exact",
+                               "attention TFLOPs": "rel=1e-9", "FLOPs / dense": "rel=1e-9", "paper TFLOPs": "exact",
+                               "paper FLOPs / dense": "rel=1e-9"})  # make verify: counted, not measured
 display(Markdown(flop_table.to_markdown(index=False, floatfmt=".4g")))
 
 # %% [markdown]
@@ -204,7 +208,13 @@ figures.save_table(tab_fw, "tab_throughput_fwsvd", output_dir, params, started=s
                    notebook="notebooks/tab_throughput.py", floatfmt=".4g", label="tab:throughput_fwsvd",
                    caption=f"Prefill throughput of {model_name} compressed by {method} (uniform ranks): batch "
                            f"{forward_batch}, {forward_seq_len} tokens, {device} {dtype}; median of {forward_repeats} "
-                           f"runs. Paper: Llama 2 7B Chat, FWSVD, A100.")
+                           f"runs. Paper: Llama 2 7B Chat, FWSVD, A100.",
+                   # make verify: the keep-dense rows' ratio, dense layers and FLOPs are decided by measured
+                   # layer speeds, so those columns are timing (the plain rows' FLOPs: tab_flops_comparison)
+                   tolerances={"target ratio": "exact", "achieved ratio": "timing", "dense layers": "timing",
+                               "tokens/s": "timing", "speedup": "timing", "FLOP speedup": "timing",
+                               "speedup / FLOP speedup": "timing", "paper tokens/s": "exact",
+                               "paper speedup": "rel=1e-9"})
 display(Markdown(tab_fw.to_markdown(index=False, floatfmt=".4g")))
 lat = []
 for b in decode_batches:
@@ -218,7 +228,10 @@ figures.save_table(tab_lat, "tab_throughput_forward", output_dir, params, starte
                    notebook="notebooks/tab_throughput.py", floatfmt=".4g", label="tab:throughput_forward",
                    caption=f"Latency of one decoding step (one token for each sequence of the batch, {decode_context} "
                            f"cached tokens) of {model_name} compressed by {method}, {device} {dtype}; median of "
-                           f"{decode_repeats} steps. Paper: Llama 2 7B Chat, GFWSVD, A100, sequence length 1024.")
+                           f"{decode_repeats} steps. Paper: Llama 2 7B Chat, GFWSVD, A100, sequence length 1024.",
+                   tolerances={"batch": "exact", "context": "exact", "target ratio": "exact", "ms per token": "timing",
+                               "speedup": "timing", "FLOP speedup": "timing",  # keep-dense rows: decided by timing
+                               "paper ms per token (1024 context)": "exact"})
 display(tab_lat.pivot_table(index="target ratio", columns="batch", values="ms per token", sort=False))
 
 # %% [markdown]
@@ -230,7 +243,10 @@ lay = pd.DataFrame(tp.layer_rows(model.to(dev, torch_dtype), [r for r in ratios 
 lay["slower"] = lay["speedup"] < 1
 figures.save_table(lay, "tab_throughput_layers", output_dir, params, started=started,
                    notebook="notebooks/tab_throughput.py", floatfmt=".4g",
-                   caption=f"Each factorised layer shape timed alone against its dense layer ({device} {dtype})")
+                   caption=f"Each factorised layer shape timed alone against its dense layer ({device} {dtype})",
+                   tolerances={"ratio": "exact", "n": "exact", "m": "exact", "rank": "exact", "layers": "exact",
+                               "tokens": "exact", "dense_ms": "timing", "lowrank_ms": "timing", "speedup": "timing",
+                               "flop_speedup": "rel=1e-9", "slower": "timing"})
 display(lay.pivot_table(index=["n", "m", "ratio", "rank"], columns="tokens", values="speedup"))
 
 # %%

@@ -6,7 +6,9 @@ Notebooks (``notebooks/``) call these helpers so that every artefact in
 * a figure ``<name>`` becomes ``<name>.png`` and ``<name>.pdf``;
 * a table ``<name>`` becomes ``<name>.csv``, ``<name>.md`` and ``<name>.tex``;
 * next to either, ``<name>.provenance.json`` records the git commit, the
-  notebook parameters, the machine, the library versions and the wall time.
+  notebook parameters, the machine, the library versions and the wall time,
+  and for a table the tolerance of each column that the notebook declared
+  (``save_table(..., tolerances=...)``, read by ``make verify``).
 
 Every file is written to a temporary name in the destination folder and moved
 into place (:func:`fisherkron.env.atomic_write`), so an interrupted run never leaves a
@@ -30,6 +32,7 @@ from typing import Any
 
 from ..core.conventions import FisherkronError
 from ..env import REPO_ROOT, atomic_write
+from . import tolerance
 
 __all__ = ["repo_root", "output_dir", "save_figure", "save_table", "provenance",
            "write_provenance", "latex_table", "machine_info", "git_commit"]
@@ -246,11 +249,18 @@ def _markdown_table(df, floatfmt: str) -> str:
 def save_table(df, name: str, folder: str | os.PathLike, params: Mapping[str, Any] | None = None, *,
                caption: str | None = None, label: str | None = None, floatfmt: str = ".4g",
                started: float | None = None, notebook: str | None = None,
-               extra: Mapping[str, Any] | None = None) -> list[Path]:
+               extra: Mapping[str, Any] | None = None, tolerances: Mapping[str, str] | None = None) -> list[Path]:
     """Save a DataFrame as ``<folder>/<name>.csv``, ``.md`` and ``.tex`` plus its provenance record.
 
     The CSV keeps full precision; Markdown and LaTeX use ``floatfmt``. The
     index is not written (put what matters into columns first).
+
+    Args:
+        tolerances: column -> how far a rerun's value may fall from this one (``"exact"``,
+            ``"timing"``, ``"rel=1e-3"``, ``"3*se(se)"``, ...: the grammar of
+            :mod:`fisherkron.experiments.tolerance`), checked against the table's columns and
+            recorded in the provenance record for ``make verify``; columns left out get a
+            conservative default there.
 
     Returns:
         The paths written (CSV, Markdown, LaTeX, provenance JSON).
@@ -259,10 +269,13 @@ def save_table(df, name: str, folder: str | os.PathLike, params: Mapping[str, An
         raise FisherkronError(f"table name must be a plain file stem, got {name!r}")
     if len(df.columns) == 0:
         raise FisherkronError(f"table {name} has no columns")
+    declared = tolerance.declare(tolerances, df.columns)  # checked before anything is written
     out = output_dir(folder)
     csv = atomic_write(out / f"{name}.csv", lambda t: df.to_csv(t, index=False))
     md = _write_text(out / f"{name}.md", _markdown_table(df, floatfmt))
     tex = _write_text(out / f"{name}.tex", latex_table(df, caption=caption, label=label, floatfmt=floatfmt))
     rec = provenance(name, params, files=[csv.name, md.name, tex.name], started=started, notebook=notebook,
                      extra=extra)
+    if declared:
+        rec["tolerances"] = declared
     return [csv, md, tex, write_provenance(out, name, rec)]

@@ -1,0 +1,435 @@
+"""``make verify``: re-execute notebooks into a scratch folder and compare their tables with the committed ones.
+
+Issue 24 ("a reproduction you can check"). For each notebook the driver
+
+1. executes it as ``make`` does (jupytext to ``.ipynb``, papermill with
+   ``notebooks/params/<name>.default.yaml``), but with ``output_dir`` and the executed notebook
+   in a scratch folder (``build/verify/figures``, ``build/verify/notebooks``): ``figures/`` and
+   the committed executed notebooks are never written. With ``--data fresh`` (the default) the
+   notebook also gets empty caches (``FISHERKRON_DATA=build/verify/data``; only the dequantised
+   SmolLM2 folder ``data/models`` is linked in, it is a conversion of a packaged file, not a
+   result), so nothing in ``data/cache`` is read or written;
+2. compares every value of every table it wrote (``<name>.csv``) with the committed
+   ``figures/<name>.csv``, column by column, within the column's tolerance
+   (:mod:`fisherkron.experiments.tolerance`): the one declared in the table's provenance record
+   (``save_table(..., tolerances=...)``), else the one in
+   :data:`fisherkron.experiments.verify_tolerances.TOLERANCES`, else a conservative default that
+   the report names. Timing columns are shown as the median ratio new / committed and never fail;
+3. prints one line per table (columns compared, worst margin = ``|new - committed| / tolerance``,
+   at most 1 to pass) and every value outside its tolerance, writes ``report.json`` in the
+   scratch folder, and exits 1 if any value is outside (2 if a notebook failed to run).
+
+A committed table of the notebook that the run did not write, a table with other rows or
+columns, and a table the committed folder lacks are reported too (the first two fail).
+
+Command line: ``python -m fisherkron.experiments.verify [--nb NAME ...] [--data fresh|scratch|shared]
+[--no-run]``; ``make verify [NB=name]`` and ``make verify-quick`` (mk/verify.mk) call it.
+:func:`compare_frames` is also what ``tests/test_determinism.py`` uses, with every non-timing
+column exact.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..env import REPO_ROOT
+from . import tolerance as T
+
+__all__ = ["Failure", "TableReport", "compare_frames", "compare_table", "compare_notebook", "tables_of",
+           "declared_tolerances", "run_notebook", "main"]
+
+_NUM = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+@dataclass
+class Failure:
+    """One value outside its tolerance (or a structural difference: ``column`` or ``row`` is None)."""
+
+    table: str
+    row: int | None
+    label: str
+    column: str | None
+    committed: Any
+    new: Any
+    delta: float | None
+    width: float | None
+    spec: str
+
+    def line(self) -> str:
+        where = f"{self.table}" + (f" row {self.row} ({self.label})" if self.row is not None else "") + \
+                (f" column {self.column!r}" if self.column is not None else "")
+        if self.delta is None or not math.isfinite(self.delta):
+            return f"{where}: committed {self.committed!r}, now {self.new!r} [{self.spec}]"
+        return (f"{where}: committed {self.committed!r}, now {self.new!r}, |diff| {self.delta:.3g} > "
+                f"tolerance {self.width:.3g} [{self.spec}]")
+
+
+@dataclass
+class TableReport:
+    """The comparison of one table."""
+
+    name: str
+    notebook: str | None = None
+    status: str = "PASS"  # PASS | FAIL | MISSING (not regenerated) | NEW (not committed)
+    columns: int = 0  # columns checked (not timing)
+    values: int = 0  # values checked
+    declared: int = 0
+    source: str = "none"  # where the declarations came from
+    defaults: dict[str, str] = field(default_factory=dict)  # column -> "spec (reason)"
+    timing: dict[str, str] = field(default_factory=dict)  # column -> "x1.08" (median new / committed)
+    worst: float = 0.0
+    worst_at: str = ""
+    failures: list[Failure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        if self.status in ("MISSING", "NEW"):
+            return f"{self.status:4s} {self.name}: " + "; ".join(self.notes)
+        worst = "inf" if math.isinf(self.worst) else f"{self.worst:.2f}"
+        s = (f"{self.status:4s} {self.name}: {self.columns} columns, {self.values} values checked "
+             f"({self.declared} columns declared [{self.source}], {len(self.defaults)} default); "
+             f"worst margin {worst}" + (f" at {self.worst_at}" if self.worst_at else ""))
+        if self.failures:
+            s += f"; {len(self.failures)} outside tolerance"
+        if self.timing:
+            s += "; timing, not checked (new/committed): " + ", ".join(f"{c} {r}" for c, r in self.timing.items())
+        return s
+
+
+# -- reading tables and their declarations -----------------------------------------------------
+def _read_csv(path: Path):
+    import pandas as pd
+
+    return pd.read_csv(path)
+
+
+def _record(folder: Path, name: str) -> dict:
+    p = Path(folder) / f"{name}.provenance.json"
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def declared_tolerances(name: str, new_dir: Path, ref_dir: Path | None = None) -> tuple[dict[str, str], str]:
+    """The declared tolerances of table ``name`` and where they come from.
+
+    The regenerated table's provenance record first (the notebook as it is now), then the
+    committed one's, then :data:`fisherkron.experiments.verify_tolerances.TOLERANCES`.
+    """
+    from .verify_tolerances import TOLERANCES
+
+    for folder, source in ((new_dir, "provenance"), (ref_dir, "committed provenance")):
+        if folder is not None and (tol := _record(folder, name).get("tolerances")):
+            return dict(tol), source + (" (also in verify_tolerances.py: that one is ignored)"
+                                        if name in TOLERANCES else "")
+    if name in TOLERANCES:
+        return dict(TOLERANCES[name]), "verify_tolerances.py"
+    return {}, "none"
+
+
+def tables_of(folder: Path, notebook: str | None = None) -> list[str]:
+    """Tables (``<name>.csv`` with a provenance record) in ``folder``, those of ``notebook`` only if given."""
+    out = []
+    for csv in sorted(Path(folder).glob("*.csv")):
+        rec = _record(folder, csv.stem)
+        if notebook is None or rec.get("notebook") == f"notebooks/{notebook}.py":
+            out.append(csv.stem)
+    return out
+
+
+# -- comparing ------------------------------------------------------------------------------
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v)) or (isinstance(v, str) and not v.strip())
+
+
+def _py(v: Any) -> Any:
+    return v.item() if hasattr(v, "item") else v
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _numbers(s: str) -> tuple[str, list[float], float | None]:
+    """The words of a text cell (numbers replaced by #), its numbers, and the number after '±'."""
+    nums = [float(m) for m in _NUM.findall(s)]
+    pm = re.search(r"±\s*(" + _NUM.pattern + ")", s)
+    return _NUM.sub("#", s), nums, (abs(float(pm.group(1))) if pm else None)
+
+
+def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple[float, float | None, float | None]:
+    """``(margin, |diff|, width)`` of one value; margin <= 1 passes, ``inf`` for a mismatch of kind or words."""
+    ref, new = _py(ref), _py(new)
+    if _missing(ref) and _missing(new):
+        return 0.0, 0.0, 0.0
+    if _missing(ref) or _missing(new):
+        return math.inf, None, None
+    if isinstance(ref, bool) or isinstance(new, bool):
+        return (0.0 if ref == new else math.inf), None, None
+    if _is_num(ref) and _is_num(new):
+        pairs, sd = [(ref, new)], None
+    else:
+        if str(ref) == str(new):
+            return 0.0, 0.0, 0.0
+        (wr, nr, sd), (wn, nn, _) = _numbers(str(ref)), _numbers(str(new))
+        if wr != wn or len(nr) != len(nn):
+            return math.inf, None, None
+        pairs = list(zip(nr, nn))
+    worst = (0.0, 0.0, 0.0)
+    for a, b in pairs:
+        if tol.kind == "exact":
+            m = (0.0, 0.0, 0.0) if a == b else (math.inf, abs(b - a), 0.0)
+        else:
+            d, w = abs(b - a), tol.width(a, row, cell_sd=sd)
+            m = (d / w if w > 0 else (0.0 if d == 0 else math.inf), d, w)
+        worst = max(worst, m, key=lambda t: t[0])
+    return worst
+
+
+def _ratio_summary(ref, new) -> str:
+    import numpy as np
+
+    r = [float(b) / float(a) for a, b in zip(ref, new)
+         if _is_num(_py(a)) and _is_num(_py(b)) and not _missing(_py(a)) and not _missing(_py(b)) and a != 0]
+    if r:
+        return f"x{float(np.median(r)):.2f}"
+    changed = sum(str(a) != str(b) for a, b in zip(ref, new))
+    return f"{changed} of {len(ref)} changed"
+
+
+def compare_frames(name: str, ref, new, declared: Mapping[str, str] | None = None, *, source: str = "",
+                   identical: bool = False) -> TableReport:
+    """Compare a regenerated table ``new`` with the committed ``ref`` (pandas DataFrames), value by value.
+
+    Args:
+        declared: column -> tolerance (:mod:`fisherkron.experiments.tolerance`); other columns get
+            :func:`fisherkron.experiments.tolerance.default`, listed in ``defaults``.
+        identical: every column that is not timing must be equal (the determinism test).
+    """
+    declared = dict(declared or {})
+    rep = TableReport(name, source=source or ("declared" if declared else "none"))
+    for col in declared:
+        if col not in ref.columns:
+            rep.notes.append(f"tolerance declared for {col!r}, which the committed table lacks")
+    structural = []
+    for col in ref.columns:
+        if col not in new.columns:
+            structural.append(Failure(name, None, "", col, "(column)", "(missing)", None, None, "column removed"))
+    for col in new.columns:
+        if col not in ref.columns:
+            structural.append(Failure(name, None, "", col, "(missing)", "(column)", None, None, "column added"))
+    if len(ref) != len(new):
+        structural.append(Failure(name, None, "", None, f"{len(ref)} rows", f"{len(new)} rows", None, None,
+                                  "row count"))
+    rep.failures += structural
+    if len(ref) != len(new):
+        rep.status = "FAIL"
+        rep.worst = math.inf
+        return rep
+    labels = [", ".join(str(_py(v)) for v in r[:2]) for r in ref.itertuples(index=False)]
+    rows = ref.to_dict("records")
+    for col in [c for c in ref.columns if c in new.columns]:
+        if col in declared:
+            tol = T.parse(declared[col])
+            rep.declared += 1
+        else:
+            tol, why = T.default(col, ref[col])
+            rep.defaults[col] = f"{tol.spec} ({why})"
+        if tol.kind == "timing":
+            rep.timing[col] = _ratio_summary(list(ref[col]), list(new[col]))
+            continue
+        if identical:
+            tol = T.parse("exact")
+        rep.columns += 1
+        for i, (a, b) in enumerate(zip(ref[col], new[col])):
+            rep.values += 1
+            margin, d, w = _cell(a, b, tol, rows[i])
+            if margin > rep.worst:
+                rep.worst, rep.worst_at = margin, f"{col!r} row {i + 1}"
+            if margin > 1:
+                rep.failures.append(Failure(name, i + 1, labels[i], col, _py(a), _py(b), d, w, tol.spec))
+    if rep.failures:
+        rep.status = "FAIL"
+        if structural:
+            rep.worst = math.inf
+    return rep
+
+
+def compare_table(name: str, ref_dir: Path, new_dir: Path) -> TableReport:
+    """Compare ``new_dir/<name>.csv`` with ``ref_dir/<name>.csv`` within the table's tolerances."""
+    ref_dir, new_dir = Path(ref_dir), Path(new_dir)
+    nb = _record(new_dir, name).get("notebook") or _record(ref_dir, name).get("notebook")
+    if not (ref_dir / f"{name}.csv").is_file():
+        return TableReport(name, nb, "NEW", notes=[f"no committed {ref_dir}/{name}.csv to compare with"])
+    if not (new_dir / f"{name}.csv").is_file():
+        rep = TableReport(name, nb, "MISSING", notes=[f"committed, but the run did not write {new_dir}/{name}.csv"])
+        rep.failures.append(Failure(name, None, "", None, "(table)", "(missing)", None, None, "table not written"))
+        return rep
+    declared, source = declared_tolerances(name, new_dir, ref_dir)
+    rep = compare_frames(name, _read_csv(ref_dir / f"{name}.csv"), _read_csv(new_dir / f"{name}.csv"),
+                         declared, source=source)
+    rep.notebook = nb
+    return rep
+
+
+def compare_notebook(notebook: str, ref_dir: Path, new_dir: Path) -> list[TableReport]:
+    """Every table that ``notebook`` wrote to ``new_dir`` or that ``ref_dir`` holds from it, compared."""
+    names = sorted(set(tables_of(new_dir, notebook)) | set(tables_of(ref_dir, notebook)))
+    return [compare_table(n, ref_dir, new_dir) for n in names]
+
+
+# -- running ---------------------------------------------------------------------------------
+def _rel(p: Path, root: Path) -> str:
+    try:
+        return str(Path(p).resolve().relative_to(root))
+    except ValueError:
+        return str(Path(p).resolve())
+
+
+def run_notebook(name: str, figdir: Path, nb_build: Path, *, env: Mapping[str, str] | None = None,
+                 profile: str = "default", root: Path = REPO_ROOT, log: Path | None = None) -> tuple[bool, float, float]:
+    """Execute ``notebooks/<name>.py`` as mk/notebooks.mk's ``run_notebook`` does, outputs in ``figdir``.
+
+    The executed notebook goes to ``nb_build/<name>.ipynb`` (``<name>.failed.ipynb`` on an error);
+    papermill's output goes to ``log``. Returns ``(succeeded, wall seconds, CPU seconds)``; the
+    CPU seconds (of jupytext, papermill and the kernel) over the cores estimate the wall time on an
+    idle machine when other work shares the cores.
+    """
+    root = Path(root)
+    nb_build.mkdir(parents=True, exist_ok=True)
+    figdir.mkdir(parents=True, exist_ok=True)
+    src, tmp = nb_build / f"{name}.src.ipynb", nb_build / f"{name}.tmp.ipynb"
+    py = sys.executable
+    t0, cpu0 = time.perf_counter(), _children_cpu()
+    with open(log or os.devnull, "w", encoding="utf-8") as out:
+        steps = [[py, "-m", "jupytext", "--quiet", "--to", "ipynb", "--output", str(src), f"notebooks/{name}.py"],
+                 [py, "-m", "papermill", "--no-progress-bar", "--log-level", "WARNING", "-k", "python3",
+                  "--cwd", str(root), "-f", f"notebooks/params/{name}.{profile}.yaml",
+                  "-p", "output_dir", _rel(figdir, root), "-p", "profile", profile, str(src), str(tmp)]]
+        ok = True
+        for cmd in steps:
+            if subprocess.run(cmd, cwd=root, env=dict(env or os.environ), stdout=out, stderr=subprocess.STDOUT).returncode:
+                ok = False
+                break
+    src.unlink(missing_ok=True)
+    if tmp.exists():
+        tmp.replace(nb_build / (f"{name}.ipynb" if ok else f"{name}.failed.ipynb"))
+    return ok, time.perf_counter() - t0, _children_cpu() - cpu0
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished descendants."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
+    env = dict(os.environ)
+    if mode == "shared":
+        return env, "shared caches (data/)"
+    data = scratch / "data"
+    if mode == "fresh" and data.exists():
+        shutil.rmtree(data)
+    data.mkdir(parents=True, exist_ok=True)
+    from ..env import data_root
+
+    models = data_root() / "models"
+    if models.is_dir() and not (data / "models").exists():
+        (data / "models").symlink_to(models.resolve())
+    env["FISHERKRON_DATA"] = str(data.resolve())
+    return env, ("empty caches" if mode == "fresh" else "the scratch caches of the last run") + f" ({_rel(data, REPO_ROOT)})"
+
+
+def _all_notebooks(root: Path, profile: str) -> list[str]:
+    return sorted(p.stem for p in (root / "notebooks").glob("*.py")
+                  if (root / "notebooks" / "params" / f"{p.stem}.{profile}.yaml").is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fisherkron.experiments.verify", description=__doc__.split("\n")[0])
+    ap.add_argument("--nb", action="append", default=[],
+                    help="notebook(s) to check (space- or comma-separated, repeatable; default: every notebook)")
+    ap.add_argument("--ref", default="figures", help="the committed tables (default figures/)")
+    ap.add_argument("--scratch", default="build/verify", help="where the runs write (default build/verify/)")
+    ap.add_argument("--data", choices=("fresh", "scratch", "shared"), default="fresh",
+                    help="caches: fresh = empty (default), scratch = those the last verify run left, "
+                         "shared = data/ (reads and may add cache entries)")
+    ap.add_argument("--no-run", action="store_true", help="compare what the scratch folder holds; run nothing")
+    ap.add_argument("--budget", type=float, default=None, help="warn when the runs take longer (seconds)")
+    a = ap.parse_args(argv)
+    root = REPO_ROOT
+    names = [n for arg in a.nb for n in re.split(r"[\s,]+", arg) if n] or _all_notebooks(root, "default")
+    unknown = [n for n in names if not (root / "notebooks" / f"{n}.py").is_file()]
+    if unknown:
+        print(f"[verify] no notebook {', '.join(unknown)} in notebooks/", file=sys.stderr)
+        return 2
+    scratch = (root / a.scratch) if not Path(a.scratch).is_absolute() else Path(a.scratch)
+    ref = (root / a.ref) if not Path(a.ref).is_absolute() else Path(a.ref)
+    figdir, nb_build, logs = scratch / "figures", scratch / "notebooks", scratch / "logs"
+    broken, runs, cpus, t_all = [], {}, {}, time.perf_counter()
+    if not a.no_run:
+        for d in (figdir, nb_build, logs):
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+        env, what = _data_env(a.data, scratch)
+        print(f"[verify] {len(names)} notebook(s) into {_rel(scratch, root)}/ with {what}; committed tables: "
+              f"{_rel(ref, root)}/", flush=True)
+        for n in names:
+            ok, sec, cpu = run_notebook(n, figdir, nb_build, env=env, root=root, log=logs / f"{n}.log")
+            runs[n] = round(sec, 1)
+            cpus[n] = round(cpu, 1)
+            print(f"[verify] {n}: {'ran' if ok else 'FAILED'} in {sec:.0f} s (CPU {cpu:.0f} s)"
+                  + ("" if ok else f" (log {_rel(logs / (n + '.log'), root)}, notebook "
+                                   f"{_rel(nb_build / (n + '.failed.ipynb'), root)})"), flush=True)
+            if not ok:
+                broken.append(n)
+    reports = []
+    for n in names:
+        if n in broken:
+            continue
+        tabs = compare_notebook(n, ref, figdir)
+        reports += tabs
+        print(f"[verify] {n}: " + (f"{len(tabs)} table(s)" if tabs else
+                                   "writes no table" + (" (ran without error)" if n in runs else "")))
+        for r in tabs:
+            print("  " + r.line())
+            if r.defaults:
+                print("      undeclared, default used: " + "; ".join(f"{c!r} {d}" for c, d in r.defaults.items()))
+            for note in r.notes if r.status not in ("MISSING", "NEW") else []:
+                print(f"      note: {note}")
+    failures = [f for r in reports for f in r.failures]
+    total = time.perf_counter() - t_all
+    if failures:
+        print(f"[verify] {len(failures)} value(s) outside tolerance:")
+        for f in failures:
+            print("  " + f.line())
+    status = 2 if broken else (1 if failures else 0)
+    print(f"[verify] {'FAILED' if status else 'OK'}: {len(reports)} table(s) of {len(names)} notebook(s), "
+          f"{len(failures)} value(s) outside tolerance" + (f", {len(broken)} notebook(s) failed to run" if broken else "")
+          + (f"; {total:.0f} s wall, {sum(cpus.values()):.0f} s CPU on {os.cpu_count()} cores" if runs else ""))
+    if a.budget and runs and total > a.budget:
+        print(f"[verify] WARNING: took {total:.0f} s, over the {a.budget:.0f} s budget", file=sys.stderr)
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "report.json").write_text(json.dumps(
+        {"notebooks": names, "seconds": runs, "cpu_seconds": cpus, "total_seconds": round(total, 1), "failed_to_run": broken,
+         "tables": [{**asdict(r), "failures": [asdict(f) for f in r.failures]} for r in reports]},
+        indent=1, default=str) + "\n", encoding="utf-8")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""`make verify` (issue 24): tolerances declared with a table, and the comparison that catches a planted change.
+
+The comparison runs on the committed tables (figures/) and on a tiny table producer written the
+way a notebook writes its tables (save_table with tolerances); no notebook runs here.
+"""
+import json
+import math
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+import fisherkron as fk
+from fisherkron.core.conventions import FisherkronError
+from fisherkron.experiments import figures, verify
+from fisherkron.experiments import tolerance as T
+from fisherkron.experiments.verify_tolerances import TOLERANCES
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "figures"
+
+
+# -- the grammar ---------------------------------------------------------------------------------
+def test_tolerance_terms_add_up_from_the_committed_row():
+    tol = T.parse("rel=0.01 + abs=0.5 + 3*se(se) + 2*sd(svd std)/sqrt(4)")
+    row = {"se": 0.1, "svd std": 1.0}
+    assert tol.kind == "bound" and tol.columns == {"se", "svd std"}
+    assert math.isclose(tol.width(-100.0, row), 1.0 + 0.5 + 0.3 + 1.0)
+    assert math.isclose(T.parse("3*pm/sqrt(9)").width(0.5, {}, cell_sd=0.03), 0.03)
+    assert T.parse(" exact ").kind == "exact" and T.parse("timing").width(1.0) == 0.0
+
+
+@pytest.mark.parametrize("bad", ["", "approx", "rel=", "3*se(se)/sqrt(10)", "rel=1e-3 + ", "3 * se(x)", 1e-3])
+def test_unreadable_tolerances_are_refused_naming_the_grammar(bad):
+    with pytest.raises(FisherkronError, match="tolerance"):
+        T.parse(bad)
+
+
+def test_default_tolerances_are_conservative_and_say_why():
+    df = pd.DataFrame({"rank": [1, 2], "acc": [0.5, 0.25], "ours_s": [1.0, 2.0], "FLOP speedup": [1.1, 1.2],
+                       "label": ["a", "b"], "ok": [True, False], "count": [3.0, float("nan")]})
+    got = {c: T.default(c, df[c])[0].spec for c in df.columns}
+    assert got == {"rank": "exact", "acc": T.DEFAULT_FLOAT, "ours_s": "timing", "FLOP speedup": T.DEFAULT_FLOAT,
+                   "label": "exact", "ok": "exact", "count": "exact"}
+    assert not T.looks_like_timing("min_share_1") and T.looks_like_timing("total_min")
+
+
+# -- save_table records them -------------------------------------------------------------------
+def test_save_table_records_declared_tolerances_and_refuses_unknown_columns(tmp_path):
+    df = pd.DataFrame({"rank": [1, 2], "acc": [0.5, 0.6], "se": [0.01, 0.02]})
+    figures.save_table(df, "t", tmp_path, tolerances={"rank": "exact", "acc": "3*se(se)"})
+    rec = json.loads((tmp_path / "t.provenance.json").read_text())
+    assert rec["tolerances"] == {"rank": "exact", "acc": "3*se(se)"}
+    figures.save_table(df, "u", tmp_path)  # backward compatible: no declaration, no key
+    assert "tolerances" not in json.loads((tmp_path / "u.provenance.json").read_text())
+    with pytest.raises(FisherkronError, match="'accuracy'"):
+        figures.save_table(df, "v", tmp_path, tolerances={"accuracy": "exact"})
+    with pytest.raises(FisherkronError, match="reads"):
+        figures.save_table(df, "v", tmp_path, tolerances={"acc": "3*se(stderr)"})
+    assert not (tmp_path / "v.csv").exists()  # checked before anything is written
+
+
+# -- the committed tables ----------------------------------------------------------------------
+def _copy(dst: Path) -> Path:
+    shutil.copytree(FIGURES, dst, ignore=shutil.ignore_patterns("*.png", "*.pdf", "*.tex", "*.md", "bench"))
+    return dst
+
+
+def test_every_committed_table_equals_itself():
+    tables = verify.tables_of(FIGURES)
+    assert len(tables) >= 10
+    for name in tables:
+        rep = verify.compare_table(name, FIGURES, FIGURES)
+        assert rep.status == "PASS" and rep.worst == 0.0 and not rep.failures, rep.line()
+
+
+def test_a_table_value_edited_by_hand_is_caught_and_a_timing_is_not(tmp_path, capsys):
+    ref, scratch = _copy(tmp_path / "ref"), tmp_path / "verify"
+    new = _copy(scratch / "figures")
+    args = ["--no-run", "--ref", str(ref), "--scratch", str(scratch), "--nb", "fig_synthetic_correlations,fig_time_algo"]
+    assert verify.main(args) == 0
+
+    sweep = pd.read_csv(new / "tab_time_algo_sweep.csv")
+    sweep.loc[0, "ours_s"] *= 3  # a timing: reported, never a failure
+    sweep.to_csv(new / "tab_time_algo_sweep.csv", index=False)
+    assert verify.main(args) == 0
+    assert re.search(r"ours_s x\d", capsys.readouterr().out)
+
+    gaps = pd.read_csv(new / "tab_synthetic_gaps.csv")
+    gaps.loc[2, "gap"] += 0.01  # one number edited by hand
+    gaps.to_csv(new / "tab_synthetic_gaps.csv", index=False)
+    assert verify.main(args) == 1
+    out = capsys.readouterr().out
+    assert "FAIL tab_synthetic_gaps" in out and "PASS tab_diag_full_synth" in out
+    assert re.search(r"tab_synthetic_gaps row 3 \(toeplitz, fwsvd\) column 'gap': committed 0\.0958", out)
+    report = json.loads((scratch / "report.json").read_text())
+    assert [f["column"] for t in report["tables"] for f in t["failures"]] == ["gap"]
+
+
+def test_structural_changes_fail(tmp_path):
+    ref = pd.read_csv(FIGURES / "tab_synthetic_gaps.csv")
+    assert verify.compare_frames("t", ref, ref.iloc[:-1]).status == "FAIL"  # a row lost
+    assert verify.compare_frames("t", ref, ref.drop(columns="se")).status == "FAIL"
+    assert verify.compare_frames("t", ref, ref.assign(extra=1)).status == "FAIL"
+    assert verify.compare_frames("t", ref, ref.assign(versus=ref["versus"].str.upper())).status == "FAIL"
+    shutil.copy(FIGURES / "tab_synthetic_gaps.csv", tmp_path / "tab_synthetic_gaps.csv")
+    rep = verify.compare_table("tab_synthetic_gaps", tmp_path, tmp_path / "nothing")
+    assert rep.status == "MISSING" and rep.failures
+
+
+def test_text_cells_compare_their_numbers_within_the_seed_spread():
+    ref = pd.DataFrame({"m": ["SVD", "ratio"], "acc": ["0.616 ± 0.006", "5.8 %"]})
+    tol = {"m": "exact", "acc": "3*pm/sqrt(3)"}  # 3 standard errors: 3 * 0.006 / sqrt(3) = 0.0104
+    ok = ref.assign(acc=["0.626 ± 0.007", "5.8 %"])
+    far = ref.assign(acc=["0.630 ± 0.006", "5.8 %"])
+    words = ref.assign(acc=["0.616 +- 0.006", "5.8 %"])
+    assert verify.compare_frames("t", ref, ok, tol).status == "PASS"
+    assert verify.compare_frames("t", ref, far, tol).status == "FAIL"
+    assert verify.compare_frames("t", ref, words, tol).status == "FAIL"
+    assert verify.compare_frames("t", ref, ref.assign(acc=["0.616 ± 0.006", "5.9 %"]), tol).status == "FAIL"
+
+
+def test_the_registry_declares_only_real_columns_of_tables_declared_nowhere_else():
+    for name, decl in TOLERANCES.items():
+        csv = FIGURES / f"{name}.csv"
+        if csv.is_file():
+            T.declare(decl, pd.read_csv(csv).columns)  # raises on a misspelt column
+        rec = json.loads((FIGURES / f"{name}.provenance.json").read_text()) if csv.is_file() else {}
+        assert "tolerances" not in rec, f"{name} declares its tolerances itself: delete its verify_tolerances entry"
+
+
+def test_verify_quick_covers_the_notebooks_that_run_in_minutes():
+    mk = (ROOT / "mk" / "verify.mk").read_text()
+    quick = re.search(r"^VERIFY_QUICK\s*:=\s*(.+)$", mk, re.M).group(1).split()
+    assert {"kronecker_fisher_from_scratch", "fig_synthetic_correlations", "fig_time_algo", "tab_throughput"} <= set(quick)
+    assert all((ROOT / "notebooks" / f"{n}.py").is_file() for n in quick)
+
+
+# -- a method's weights perturbed --------------------------------------------------------------
+def _produce(folder: Path, *, perturb: float = 0.0) -> None:
+    """A tiny table producer written as a notebook writes one: weighted-SVD errors of a 7 x 5 layer by rank.
+
+    ``perturb`` adds that much noise to GFWSVD's compressed weights (a planted bug in one method).
+    """
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(7, 5, generator=g, dtype=torch.float64)  # (n, m)
+    G = torch.randn(6, 7, 5, generator=g, dtype=torch.float64)  # (k, n, m) batch gradients
+    A = torch.einsum("kni,knj->ij", G, G) / 6  # (m, m) input side
+    B = torch.einsum("kin,kjn->ij", G, G) / 6  # (n, n) output side
+    rows = []
+    for rank in (1, 2, 3):
+        for method in ("svd", "gfwsvd"):
+            t0 = time.perf_counter()
+            W2, W1 = fk.svd(W, rank) if method == "svd" else fk.gfwsvd(W, A, B, rank)
+            W_hat = W2 @ W1
+            if method == "gfwsvd" and perturb:
+                W_hat = W_hat + perturb * torch.randn(W_hat.shape, generator=torch.Generator().manual_seed(1),
+                                                      dtype=W_hat.dtype)
+            rows.append({"method": method, "rank": rank, "fisher error": fk.fisher_weighted_error(W, W_hat, A, B),
+                         "seconds": time.perf_counter() - t0})
+    figures.save_table(pd.DataFrame(rows), "tab_tiny", folder, notebook="notebooks/tiny.py",
+                       tolerances={"method": "exact", "rank": "exact", "fisher error": "rel=1e-6",
+                                   "seconds": "timing"})
+
+
+def test_a_rerun_passes_and_a_perturbed_method_fails(tmp_path):
+    _produce(tmp_path / "committed")
+    _produce(tmp_path / "rerun")
+    _produce(tmp_path / "perturbed", perturb=1e-3)
+    same = verify.compare_table("tab_tiny", tmp_path / "committed", tmp_path / "rerun")
+    assert same.status == "PASS" and same.declared == 4 and not same.defaults and "seconds" in same.timing
+    bad = verify.compare_table("tab_tiny", tmp_path / "committed", tmp_path / "perturbed")
+    assert bad.status == "FAIL" and bad.source == "provenance"
+    assert {(f.column, f.label.split(",")[0]) for f in bad.failures} == {("fisher error", "gfwsvd")}
+    assert len(bad.failures) == 3 and bad.worst > 1
