@@ -1,0 +1,77 @@
+"""The committed copy of an executed notebook: outputs kept, run-to-run noise removed.
+
+papermill and nbclient record when every cell started and ended, where the notebook was read from
+and written to, and jupytext gives every cell a random id; a re-run that computes the same numbers
+would then differ on every cell. :func:`strip_volatile` keeps what a reader sees (sources, outputs,
+execution counts, tags, the injected parameters) and replaces the rest by stable values, so the
+diff of a re-run shows only what changed in the results.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from ...env import atomic_write
+
+__all__ = ["VOLATILE_CELL_KEYS", "strip_volatile", "write_executed"]
+
+#: cell metadata written by the runners, different on every run
+VOLATILE_CELL_KEYS = ("execution", "papermill", "collapsed", "scrolled")
+#: notebook-level papermill keys that are kept (the rest are times and paths)
+KEPT_PAPERMILL_KEYS = ("parameters",)
+
+
+def _source(cell: dict[str, Any]) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def strip_volatile(nb: dict[str, Any]) -> dict[str, Any]:
+    """A copy of notebook ``nb`` (nbformat 4, as a dict) without timing, paths or random ids.
+
+    Cell ids become a hash of the cell's type and source (numbered when two cells are equal), so
+    an unchanged cell keeps its id from one run to the next.
+
+    >>> nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {"papermill": {
+    ...     "duration": 3.2, "parameters": {"k": 4}, "input_path": "build/x.src.ipynb"}},
+    ...     "cells": [{"cell_type": "code", "id": "f00d", "source": "1 + 1", "execution_count": 1,
+    ...                "outputs": [], "metadata": {"tags": [], "execution": {"iopub.status.idle": "..."},
+    ...                                            "papermill": {"duration": 0.1}}}]}
+    >>> out = strip_volatile(nb)
+    >>> out["metadata"], out["cells"][0]["metadata"], out["cells"][0]["id"]
+    ({'papermill': {'parameters': {'k': 4}}}, {'tags': []}, 'code-7f313ac3')
+    >>> strip_volatile(out) == out
+    True
+    """
+    nb = copy.deepcopy(nb)
+    meta = nb.setdefault("metadata", {})
+    if "papermill" in meta:
+        meta["papermill"] = {k: v for k, v in meta["papermill"].items() if k in KEPT_PAPERMILL_KEYS}
+    seen: dict[str, int] = {}
+    for cell in nb.get("cells", []):
+        cmeta = cell.setdefault("metadata", {})
+        for key in VOLATILE_CELL_KEYS:
+            cmeta.pop(key, None)
+        if "id" in cell:  # nbformat >= 4.5
+            digest = hashlib.sha1(f"{cell['cell_type']}\n{_source(cell)}".encode()).hexdigest()[:8]
+            base = f"{cell['cell_type']}-{digest}"
+            seen[base] = seen.get(base, 0) + 1
+            cell["id"] = base if seen[base] == 1 else f"{base}-{seen[base]}"
+    return nb
+
+
+def write_executed(src: str | Path, dst: str | Path) -> Path:
+    """Write :func:`strip_volatile` of the executed notebook ``src`` to ``dst``, atomically.
+
+    The file is written by nbformat (one-space indent, sorted keys, sources split into lines), as
+    Jupyter saves a notebook, so two versions diff line by line.
+    """
+    import nbformat
+
+    nb = strip_volatile(json.loads(Path(src).read_text(encoding="utf-8")))
+    text = nbformat.writes(nbformat.from_dict(nb), version=nbformat.NO_CONVERT) + "\n"
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(dst, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

@@ -1,0 +1,152 @@
+"""The committed executed notebooks and the book's sources (issue 24, item 3); no notebook runs.
+
+The browser test of the built site is tests/test_book_browser.py (`make book-test`).
+"""
+import copy
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from fisherkron.experiments.book import sources
+from fisherkron.experiments.book.executed import strip_volatile, write_executed
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.py"))
+
+
+def _papermill_notebook() -> dict:
+    """An executed notebook as papermill leaves it: timings, paths and random cell ids."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Title"),
+                nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell("print(x)", execution_count=2,
+                                          outputs=[nbformat.v4.new_output("stream", text="1\n")]),
+                nbformat.v4.new_code_cell("print(x)")]  # the same source twice
+    nb.metadata["papermill"] = {"parameters": {"x": 1}, "duration": 1.5, "start_time": "2026-01-01T00:00:00",
+                                "input_path": "build/notebooks/default/t.src.ipynb", "exception": None}
+    for cell in nb.cells:
+        cell.metadata["papermill"] = {"duration": 0.1, "status": "completed"}
+        if cell.cell_type == "code":
+            cell.metadata["execution"] = {"iopub.status.idle": "2026-01-01T00:00:01Z"}
+    return json.loads(nbformat.writes(nb))
+
+
+def test_strip_volatile_keeps_what_a_reader_sees_and_nothing_that_changes_per_run():
+    nb = _papermill_notebook()
+    out = strip_volatile(nb)
+    assert out["metadata"]["papermill"] == {"parameters": {"x": 1}}
+    assert all(set(c["metadata"]) <= {"tags"} for c in out["cells"])
+    assert out["cells"][1]["metadata"]["tags"] == ["parameters"]
+    assert out["cells"][2]["outputs"] == nb["cells"][2]["outputs"]
+    assert out["cells"][2]["execution_count"] == 2
+    ids = [c["id"] for c in out["cells"]]
+    assert len(set(ids)) == len(ids), ids  # equal sources still get distinct ids
+    rerun = copy.deepcopy(nb)  # a re-run: new random ids and times, same results
+    for i, cell in enumerate(rerun["cells"]):
+        cell["id"] = f"rnd{i}"
+        cell["metadata"]["papermill"]["duration"] = 9.9
+    rerun["metadata"]["papermill"]["duration"] = 7.0
+    assert strip_volatile(rerun) == out
+    assert strip_volatile(out) == out
+    assert nb["metadata"]["papermill"]["duration"] == 1.5  # the input is not modified
+
+
+def test_write_executed_writes_a_valid_notebook_atomically(tmp_path):
+    src = tmp_path / "run.ipynb"
+    src.write_text(json.dumps(_papermill_notebook()))
+    dst = tmp_path / "executed" / "t.ipynb"
+    write_executed(src, dst)
+    nbformat.validate(nbformat.read(dst, as_version=4))
+    text = dst.read_text()
+    assert "duration" not in text and "iopub" not in text and "input_path" not in text
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["t.ipynb"]  # no temporary left
+    write_executed(src, dst)
+    assert dst.read_text() == text  # a second run of the same results: no diff
+
+
+def test_every_notebook_has_a_place_in_the_books_order():
+    placed = [name for name, _, _ in sources.PAGES]
+    assert len(set(placed)) == len(placed)
+    assert placed[0] == "kronecker_fisher_from_scratch"  # the teaching notebook opens the book
+    missing = sorted(set(NOTEBOOKS) - set(placed))
+    assert not missing, f"add these notebooks to PAGES in fisherkron/experiments/book/sources.py: {missing}"
+    assert set(placed) <= set(NOTEBOOKS), sorted(set(placed) - set(NOTEBOOKS))
+
+
+def test_reproduction_table_links_every_notebook_it_names():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = sources.reproduction_table(readme, set(NOTEBOOKS))
+    assert table.startswith("| Paper item |") and "generated:" not in table
+    named = {n for n in NOTEBOOKS if f"`{n}.py`" in readme.split("| Paper item |", 1)[1].split("\n\n", 1)[0]}
+    assert named, "the README's reproduction table names no notebook"
+    for name in named:
+        assert f"[`{name}.py`]({name}.ipynb)" in table
+
+
+def test_sources_show_the_executed_notebook_or_the_committed_outputs(tmp_path):
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    run = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# The synthetic study"),
+                                          nbformat.v4.new_code_cell("1 + 1", execution_count=1, outputs=[
+                                              nbformat.v4.new_output("execute_result", {"text/plain": "2"},
+                                                                     execution_count=1)])])
+    nbformat.write(run, executed / "fig_synthetic_correlations.ipynb")
+    out = tmp_path / "src"
+    book = sources.write_sources(out, executed=executed)
+
+    assert [p.name for p in book] == [n for n, _, _ in sources.PAGES if n in NOTEBOOKS]
+    assert {p.name for p in book if p.executed} == {"fig_synthetic_correlations"}
+    page = nbformat.read(out / "fig_synthetic_correlations.ipynb", as_version=4)
+    assert page.cells[1].outputs[0]["data"]["text/plain"] == "2"
+    assert "Not run yet" not in json.dumps(page)
+
+    other = nbformat.read(out / "fig_time_algo.ipynb", as_version=4)
+    title = other.cells[0].source
+    assert title.startswith("# ") and "{admonition} Not run yet" in title
+    committed = other.cells[1].source
+    assert committed.startswith("## Committed outputs")
+    assert "![fig_time_algo](_figures/fig_time_algo.png)" in committed and (out / "_figures/fig_time_algo.png").is_file()
+    assert (ROOT / "figures/tab_time_algo.md").read_text().strip() in committed
+    assert "\n".join(json.loads((ROOT / "figures/fig_singular_values_summary.provenance.json").read_text())["extra"]["lines"]) \
+        in nbformat.read(out / "fig_singular_values.ipynb", as_version=4).cells[1].source
+
+    index = (out / "index.md").read_text()
+    rows = [line for line in index.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert "kronecker_fisher_from_scratch.ipynb" in rows[0] and "fig_time_algo.ipynb" in rows[1]
+    assert "## The reproduction table (from the README)" in index
+    assert (out / "conf.py").read_text() == (ROOT / "book/conf.py").read_text()
+    assert (out / "_mathjax/mathjax/tex-svg.js").is_file()  # conf.py's mathjax_path, served locally
+
+
+def _make_dry_run(*args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    r = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+@pytest.mark.parametrize("overrides,commits", [
+    ((), True),
+    (("PROFILE=smoke",), False),
+    (("PROFILE=paper",), False),
+    (("FIGDIR=build/verify/figures",), False),
+    (("NB_BUILD=build/verify/notebooks",), False),
+])
+def test_only_a_default_run_into_figures_writes_the_committed_executed_notebook(overrides, commits):
+    plan = _make_dry_run("-B", "fig_time_algo", *overrides)
+    assert "papermill" in plan
+    committed = "fisherkron.experiments.book strip build/notebooks/default/fig_time_algo.ipynb " \
+                "notebooks/executed/fig_time_algo.ipynb"
+    assert (committed in plan) == commits, plan
+    assert ("notebooks/executed/" in plan) == commits
+
+
+def test_make_book_never_runs_a_notebook():
+    """The book reads figures/ and notebooks/executed/; making them is the notebooks' business."""
+    plan = _make_dry_run("-W", "notebooks/fig_time_algo.py", "-W", "fisherkron/core/wsvd.py", "book")
+    assert "papermill" not in plan and "jupytext" not in plan, plan
