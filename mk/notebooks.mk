@@ -6,7 +6,8 @@
 # plus `output_dir` (where figures/tables go) and `profile`. The executed
 # notebook is kept in build/notebooks/$(PROFILE)/<name>.ipynb; the figures and
 # tables go to $(FIGDIR):
-#   PROFILE=default -> figures/          (committed, with provenance records)
+#   PROFILE=default -> figures/          (committed, with provenance records, and the
+#                      executed notebook as notebooks/executed/<name>.ipynb, committed too)
 #   PROFILE=paper   -> figures/paper/
 #   PROFILE=smoke   -> build/smoke/figures/   (never touches figures/)
 #
@@ -36,9 +37,22 @@ NOTEBOOKS :=
 fig = $(foreach s,$1,$(FIGDIR)/$s.png $(FIGDIR)/$s.pdf $(FIGDIR)/$s.provenance.json)
 tab = $(foreach s,$1,$(FIGDIR)/$s.csv $(FIGDIR)/$s.md $(FIGDIR)/$s.tex $(FIGDIR)/$s.provenance.json)
 
-# $(call run_notebook,NAME,OUTPUTS): execute one notebook; the executed .ipynb is
+# The executed notebooks a reader sees without running anything (issue 24; `make book` renders
+# them): a run at PROFILE=default that writes FIGDIR=figures also writes the committed copy
+# notebooks/executed/<name>.ipynb (python -m fisherkron.experiments.book strip: timing metadata and
+# random cell ids removed, written atomically). For that run the committed copy, not the one in
+# build/, is the target make tracks beside the figures, so a fresh clone has nothing to run. Any
+# other profile or FIGDIR (smoke, paper, a re-execution into build/ such as `make verify`) never
+# writes it: run_notebook writes it only when the `notebook` macro passes its third argument.
+NB_EXECUTED := $(NB_DIR)/executed
+nb_commits = $(and $(filter default,$(PROFILE)),$(filter figures,$(FIGDIR)),$(filter build/notebooks/default,$(NB_BUILD)),yes)
+# $(call nb_executed,NAME): the executed notebook make tracks for NAME
+nb_executed = $(if $(nb_commits),$(NB_EXECUTED)/$1.ipynb,$(NB_BUILD)/$1.ipynb)
+
+# $(call run_notebook,NAME,OUTPUTS[,COMMITTED]): execute one notebook; the executed .ipynb is
 # written under a temporary name and moved into place; every declared output
-# must exist afterwards. A failed run leaves build/.../NAME.failed.ipynb.
+# must exist afterwards. A failed run leaves build/.../NAME.failed.ipynb. With COMMITTED
+# (notebooks/executed/NAME.ipynb, see above) the stripped committed copy is written there too.
 define run_notebook
 	@mkdir -p $(NB_BUILD) $(FIGDIR)
 	@echo "[notebook] $1 (PROFILE=$(PROFILE), outputs in $(FIGDIR)/)"
@@ -53,15 +67,16 @@ define run_notebook
 	@for f in $2; do test -e "$$f" || { echo "[notebook] $1 did not write $$f" >&2; exit 1; }; done
 	@rm -f $(NB_BUILD)/$1.src.ipynb $(NB_BUILD)/$1.failed.ipynb
 	@mv -f $(NB_BUILD)/$1.tmp.ipynb $(NB_BUILD)/$1.ipynb
+	$(if $3,$(PY) -m fisherkron.experiments.book strip $(NB_BUILD)/$1.ipynb $3)
 endef
 
 # $(eval $(call notebook,NAME,OUTPUTS,EXTRA_PREREQS))
 define notebook
 NOTEBOOKS += $1
 .PHONY: $1
-$1: $2 $(NB_BUILD)/$1.ipynb
-$2 $(NB_BUILD)/$1.ipynb &: $(NB_DIR)/$1.py $(NB_PARAMS)/$1.$(PROFILE).yaml $(CORE_SRC) $3 | $(STAMP)
-	$$(call run_notebook,$1,$2)
+$1: $2 $(call nb_executed,$1)
+$2 $(call nb_executed,$1) &: $(NB_DIR)/$1.py $(NB_PARAMS)/$1.$(PROFILE).yaml $(CORE_SRC) $3 | $(STAMP)
+	$$(call run_notebook,$1,$2,$(if $(nb_commits),$(NB_EXECUTED)/$1.ipynb))
 endef
 
 $(NB_PARAMS)/%.yaml:
@@ -69,8 +84,8 @@ $(NB_PARAMS)/%.yaml:
 	@exit 1
 
 # -- the notebooks ---------------------------------------------------------------
-$(eval $(call notebook,kronecker_fisher_from_scratch,$(call fig,kronecker_fisher_from_scratch)))
-kronecker_fisher_from_scratch: ## teaching notebook: Kronecker-factored Fisher from scratch (Secs. 3-5, App. E)
+$(eval $(call notebook,kronecker_fisher_from_scratch,$(call fig,kronecker_fisher_from_scratch fig_connection2fwsvd),$(HF_SRC) $(EXP)/teaching.py))
+kronecker_fisher_from_scratch: ## teaching notebook: Kronecker-factored Fisher from scratch (Secs. 3-5, App. E) + Fig. connection2fwsvd
 
 $(eval $(call notebook,fig_synthetic_correlations,$(call fig,fig_corr fig_diag_full_synth) $(call tab,tab_diag_full_synth tab_synthetic_gaps) $(FIGDIR)/fig_synthetic_correlations_summary.provenance.json,$(EXP)/synthetic.py))
 fig_synthetic_correlations: ## Fig. corr + Fig. diag_full_synth (Sec. 6.1): synthetic covariance experiment

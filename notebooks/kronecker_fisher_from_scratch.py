@@ -20,14 +20,20 @@
 # (ii) a Kronecker-structured curvature is exactly the Hessian of a matrix-variate normal
 # log-likelihood; (iii) under it the best rank-$r$ compression of the weight is the weighted SVD
 # of Theorem 1 (GFWSVD); and (iv) FWSVD is a special case: $A = I$, $B$ diagonal as Appendix E
-# states it, or $A$ diagonal, $B = I$ as the public FWSVD code (and `fk.fwsvd`) runs it.
+# states it, or $A$ diagonal, $B = I$ as the public FWSVD code (and `fk.fwsvd`) runs it; (v) so
+# the whole weighted-SVD family is one formula, $\widetilde W = L_B^\top W L_A$, with a pair of
+# transformation matrices that is the identity for SVD, one diagonal matrix beside an identity for
+# FWSVD, and two full matrices for GFWSVD (Sec. 5.1, Fig. connection2fwsvd).
 #
-# **How to read.** Everything is done on a layer with $n = 4$ outputs and $m = 3$ inputs, small
+# **How to read.** Sections 1-6 work on a layer with $n = 4$ outputs and $m = 3$ inputs, small
 # enough to write every matrix down in float64. Each section states a fact in LaTeX and the code
 # below it checks the fact with an `assert`: if the notebook runs to the end, every statement in
 # it held on this example. The core library (`fisherkron`) is called for what it provides
 # (`vec`, `rearranged_fisher`, `mff`, `kfac_factors`, `gfwsvd`, `fwsvd`, `svd`, `regularize`);
-# the dense references are written out here, since they are the point of the lesson.
+# the dense references are written out here, since they are the point of the lesson. Section 7
+# draws the transformation pairs of (v) for a real layer of the embedded MiniLM
+# (`fig_connection2fwsvd`): a lone diagonal is SVD or FWSVD, a filled-in triangle (a Cholesky
+# factor) is GFWSVD.
 #
 # **Conventions** (`fisherkron.core.conventions`): $W$ and gradients $G_i$ are $n\times m$ (out $\times$
 # in); $\mathrm{vec}$ stacks *columns*; $A$ is $m\times m$ (input side), $B$ is $n\times n$
@@ -37,7 +43,7 @@
 # %% tags=["parameters"]
 # Each value: the embedded default (`make all`); the "paper" profile uses the same values (this is
 # a teaching notebook: it has no paper-scale counterpart); `make smoke` lowers the sample counts.
-output_dir = "figures"  # where the figure is written (Make passes it); paper: "figures/paper"
+output_dir = "figures"  # where the figures are written (Make passes it); paper: "figures/paper"
 profile = "default"  # name of the parameter profile (recorded in the provenance)
 n = 4  # outputs of the tiny layer (rows of W); paper: 4
 m = 3  # inputs of the tiny layer (columns of W); paper: 3
@@ -49,6 +55,11 @@ mc_samples = 200000  # Monte Carlo samples for the matrix-normal covariance chec
 competitors = 2000  # random rank-r matrices that must not beat Theorem 1; paper: 2000
 restarts = 10  # local optimisations of (W2, W1) that must not beat Theorem 1; paper: 10
 alpha = 0.01  # regularisation A + alpha diag(A) of the factors before Cholesky (Sec. 5); paper: 0.01
+real_model = "minilm"  # Sec. 7: the embedded all-MiniLM-L6-v2 (the paper's BERT role); paper: "minilm"
+real_layer = "bert.encoder.layer.3.intermediate.dense"  # its layer drawn in Sec. 7 (1536 x 384); paper: same
+real_k = 16  # SST-2 training batches whose gradients give that layer's factors; paper: 16
+real_batch_size = 8  # sentences per batch; paper: 8
+crop = 64  # each transformation matrix is drawn as its leading crop x crop block; paper: 64
 
 # %%
 import time
@@ -64,7 +75,8 @@ from fisherkron.testing import FLOAT64  # exact identities, up to float64 round-
 
 started = time.perf_counter()
 params = dict(profile=profile, n=n, m=m, T=T, k=k, seed=seed, rank=rank, mc_samples=mc_samples,
-              competitors=competitors, restarts=restarts, alpha=alpha)
+              competitors=competitors, restarts=restarts, alpha=alpha, real_model=real_model,
+              real_layer=real_layer, real_k=real_k, real_batch_size=real_batch_size, crop=crop)
 torch.manual_seed(seed)
 f64 = torch.float64
 ITERATIVE = dict(rtol=1e-7, atol=1e-10)  # MFF (float64) stops at an estimated error of 1e-10 in A (x) B
@@ -359,4 +371,146 @@ for r in range(1, min(n, m) + 1):
     assert close(W_gid, W_svd, dict(rtol=1e-9, atol=1e-12)), f"GFWSVD(I, I) = SVD at rank {r}"
 print("FWSVD (App. E) = GFWSVD(I, diag(E[GG^T])/m), FWSVD (its code) = GFWSVD(diag(E[G^T G])/n, I), "
       "SVD = GFWSVD(I, I) at every rank")
+
+# %% [markdown]
+# ## 7. The family side by side: the transformation pairs of a real layer (Fig. connection2fwsvd)
+#
+# Sections 5 and 6 put every method into one formula, Eq. (7). A method is a pair of
+# transformation matrices, $L_B$ ($n\times n$, output side) and $L_A$ ($m\times m$, input side);
+# the weight is moved into a new space, truncated there by a plain SVD, and moved back:
+# $$\widetilde W = L_B^\top W L_A,\qquad \widehat W_r = L_B^{-\top}\,\mathrm{SVD}_r(\widetilde W)\,L_A^{-1}.$$
+#
+# | method | $L_B$ (output side, $n\times n$) | $L_A$ (input side, $m\times m$) |
+# |---|---|---|
+# | SVD | $I_n$ | $I_m$ |
+# | FWSVD as App. E writes it (`fk.fwsvd_rows`) | $D$, $D_{ii} = \sqrt{\sum_j \mathbb E[G_{ij}^2]}$ | $I_m$ |
+# | FWSVD as its code runs it (`fk.fwsvd`) | $I_n$ | $C$, $C_{jj} = \sqrt{\sum_i \mathbb E[G_{ij}^2]}$ |
+# | GFWSVD (`fk.gfwsvd`) | $L_B$ with $B = L_BL_B^\top$ | $L_A$ with $A = L_AL_A^\top$ |
+#
+# Here the pairs are drawn for one layer of a real model: `real_layer` of the embedded
+# all-MiniLM-L6-v2 (the paper's BERT role, shipped in a package, so this runs offline). Its
+# per-batch gradients $G_i$ come from `real_k` batches of SST-2 training sentences and the
+# classification loss, exactly as in Section 1; the embedded model has no fine-tuned head, so the
+# head is drawn with a fixed seed. FWSVD reads the diagonal Fisher $\mathbb E[G * G]$, GFWSVD
+# MFF's $A\otimes B$, regularised once with `fk.regularize` as GFWSVD would regularise it (as in
+# Section 4; the `alpha` each factor needed is printed below). The pairs are the library's:
+# `fisherkron.experiments.teaching.transform_pair` writes out, as dense matrices, the weights that
+# `fisherkron.core.methods.method_weights` hands to the one kernel.
+#
+# **Reading the figure.** A transformation matters only up to a positive scale: $L_B \to cL_B$
+# multiplies $\widetilde W$ and its truncation by $c$, and $L_B^{-\top}$ divides it back out, so
+# $\widehat W_r$ does not change (checked below, together with: these pairs give each method's
+# own factors). So each matrix is divided by its largest $|\text{entry}|$ and one symmetric-log
+# colour scale serves all eight heatmaps. Each heatmap shows the leading `crop` $\times$ `crop`
+# block; the leading block of a Cholesky factor is the Cholesky factor of the leading block of the
+# matrix it factors, so what the GFWSVD panels show does not depend on the rows cut away. The
+# bottom row plots the whole diagonal of both matrices (log scale, the cropped entries shaded):
+# flat at 1 for an identity, spread over more than a decade for FWSVD's $D$ and $C$ (diagonal, but
+# not the identity), and far below the largest entry for GFWSVD, whose weight sits off the diagonal.
+
+# %%
+from fisherkron import hf  # the Hugging Face layer is needed only from here on
+from fisherkron.core.methods import factorize_weight
+from fisherkron.experiments.teaching import offdiagonal_share, transform_pair
+
+model, tok = hf.load_model(real_model)  # a sequence classifier; its head drawn with a fixed seed
+batches = hf.classification_batches(tok, hf.load_task("sst2", "train"), real_k, batch_size=real_batch_size,
+                                    seed=seed, task="sst2")
+lin = model.get_submodule(real_layer)
+model.requires_grad_(False)
+lin.weight.requires_grad_(True)  # back-propagate only as far as this layer
+G_real = torch.stack([torch.autograd.grad(model(**b).loss, lin.weight)[0] for b in batches]).to(f64)  # (k, n, m)
+W_real = lin.weight.detach().to(f64)  # (n, m)
+n_r, m_r = W_real.shape
+mff_real = fk.mff(G_real)  # float32 products, the library's default for real layers
+assert mff_real.converged, "MFF converged on the real layer"
+regA_real, regB_real = fk.regularize(mff_real.A), fk.regularize(mff_real.B)  # once, as GFWSVD would (Sec. 5)
+stats = dict(A=regA_real, B=regB_real, diag_fisher=(G_real * G_real).mean(0))  # A (m, m), B (n, n), E[G*G] (n, m)
+COLUMNS = {  # method -> (column title, symbol of L_B, symbol of L_A)
+    "svd": ("SVD", "$I_n$", "$I_m$"),
+    "fwsvd_rows": ("FWSVD as App. E writes it\n(output rows, fk.fwsvd_rows)", "$D$", "$I_m$"),
+    "fwsvd": ("FWSVD as its code runs it\n(input columns, fk.fwsvd)", "$I_n$", "$C$"),
+    "gfwsvd": ("GFWSVD\n(MFF's $A \\otimes B$, fk.gfwsvd)", "$L_B$", "$L_A$"),
+}
+pairs = {name: transform_pair(name, W_real, **stats, layer=real_layer) for name in COLUMNS}  # (L_B, L_A) each
+
+In, Im = torch.eye(n_r, dtype=f64), torch.eye(m_r, dtype=f64)
+assert torch.equal(pairs["svd"].L_B, In) and torch.equal(pairs["svd"].L_A, Im), "SVD: the identity pair"
+D, C = pairs["fwsvd_rows"].L_B, pairs["fwsvd"].L_A  # (n, n), (m, m)
+assert torch.equal(pairs["fwsvd_rows"].L_A, Im) and torch.equal(pairs["fwsvd"].L_B, In), "FWSVD: one identity side"
+assert close(D ** 2, torch.diag(torch.einsum("kim,kim->i", G_real, G_real) / real_k)), \
+    "App. E: D^2 = diag(E[G G^T]), (E[G G^T])_ii = sum_j E[G_ij^2]"
+assert close(C ** 2, torch.diag(torch.einsum("kni,kni->i", G_real, G_real) / real_k)), \
+    "its code: C^2 = diag(E[G^T G]), (E[G^T G])_jj = sum_i E[G_ij^2]"
+L_B, L_A = pairs["gfwsvd"].L_B, pairs["gfwsvd"].L_A  # (n, n), (m, m): lower triangular
+assert torch.equal(L_B, L_B.tril()) and torch.equal(L_A, L_A.tril()), "GFWSVD: Cholesky factors"
+assert close(L_B @ L_B.T, regB_real.matrix) and close(L_A @ L_A.T, regA_real.matrix), "B = L_B L_B^T, A = L_A L_A^T"
+assert close(torch.linalg.cholesky(regB_real.matrix[:crop, :crop]), L_B[:crop, :crop], dict(rtol=1e-8, atol=1e-12)), \
+    "the leading block of L_B is the Cholesky factor of the leading block of B"
+SCALE_FREE = 1e-8  # relative change of W_r under a rescaled pair: round-off of the solves with L_B, L_A
+for name, pair in pairs.items():
+    ref = torch.matmul(*factorize_weight(name, W_real, crop, **stats, layer=real_layer))  # (n, m): the method's W_r
+    got = torch.matmul(*fk.weighted_svd(W_real, crop, left=3.0 * pair.L_B, right=pair.L_A / 7.0))  # rescaled pair
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel < SCALE_FREE, f"{name}: the rescaled pair gives the method's rank-{crop} W_r ({rel:.1e})"
+share = {name: (offdiagonal_share(p.L_B), offdiagonal_share(p.L_A)) for name, p in pairs.items()}
+assert min(share["gfwsvd"]) > 0.5, "GFWSVD: both transformations are full (most of their norm off the diagonal)"
+print(f"{real_layer}: W is {n_r} x {m_r}; MFF from k={real_k} gradients holds "
+      f"{100 * mff_real.fisher_share:.0f}% of ||F||^2; regularisation alpha_A {pairs['gfwsvd'].alpha_A:g}, "
+      f"alpha_B {pairs['gfwsvd'].alpha_B:g}")
+for name, (sB, sA) in share.items():
+    print(f"  {name:<11s} share of ||L||_F off the diagonal: L_B {sB:.2f}, L_A {sA:.2f}")
+
+# %%
+from matplotlib.colors import SymLogNorm
+
+
+def describe(M: torch.Tensor, symbol: str) -> str:
+    """Panel title: the symbol, and whether the matrix is the identity, diagonal or full."""
+    if torch.equal(M, torch.eye(M.shape[0], dtype=M.dtype)):
+        return f"{symbol}: identity"
+    d = torch.diagonal(M)
+    if offdiagonal_share(M) == 0.0:
+        return f"{symbol}: diagonal, max/min {float(d.max() / d.min()):.0f}"
+    return f"{symbol}: full, {100 * offdiagonal_share(M):.1f}% of its norm off the diagonal"
+
+
+LINTHRESH = 1e-3  # the colour scale is linear within +-1e-3 of the largest entry, logarithmic beyond
+norm = SymLogNorm(linthresh=LINTHRESH, vmin=-1.0, vmax=1.0, base=10)
+fig, axes = plt.subplots(3, len(COLUMNS), figsize=(4.1 * len(COLUMNS), 10.6), layout="constrained",
+                         gridspec_kw=dict(height_ratios=[1, 1, 0.5]))
+for col, (name, (title, sym_B, sym_A)) in enumerate(COLUMNS.items()):
+    sides = ((pairs[name].L_B, sym_B, "output side", "tab:purple"), (pairs[name].L_A, sym_A, "input side", "tab:green"))
+    for row, (M, sym, side, colour) in enumerate(sides):
+        S = M / M.abs().max()  # (size, size): the scale is free (see above)
+        ax = axes[row, col]
+        im = ax.imshow(S[:crop, :crop].numpy(), cmap="RdBu_r", norm=norm, interpolation="nearest")
+        ax.set_title(describe(M, sym), fontsize=10)
+        ax.set_xticks([0, crop - 1])
+        ax.set_yticks([0, crop - 1])
+        ax.tick_params(labelsize=8)
+        axes[2, col].semilogy(torch.diagonal(S).numpy(), color=colour, lw=1, label=f"{sym} ({side})")
+    ax = axes[2, col]
+    ax.axvspan(0, crop - 1, color="0.9", zorder=0)  # the entries the heatmaps above show
+    if col:
+        ax.sharey(axes[2, 0])  # one scale along the row, as for the heatmaps
+    ax.set_ylim(1e-5, 3.0)  # room below the curves for the legend
+    ax.set_xlim(0, n_r)
+    ax.set_xlabel("index of the diagonal entry", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.legend(fontsize=8, loc="lower center", ncols=2, frameon=False)
+    axes[0, col].annotate(title, xy=(0.5, 1.13), xycoords="axes fraction", ha="center", va="bottom",
+                          fontsize=11, fontweight="bold")
+axes[0, 0].set_ylabel(f"output side\n$L_B$, left of $W$ ({n_r} × {n_r})", fontsize=11)
+axes[1, 0].set_ylabel(f"input side\n$L_A$, right of $W$ ({m_r} × {m_r})", fontsize=11)
+axes[2, 0].set_ylabel("whole diagonal\n(grey: the block above)", fontsize=11)
+fig.colorbar(im, ax=axes[:2].ravel().tolist(), shrink=0.7,
+             label=f"entry / largest |entry| of its matrix (symmetric log, linear within $\\pm${LINTHRESH:g})")
+fig.suptitle("The weighted-SVD family as transformation pairs, $\\widetilde W = L_B^\\top W L_A$ (Eq. 7): "
+             f"MiniLM-L6 {real_layer} ({n_r} × {m_r}), k = {real_k} SST-2 batches\n"
+             f"heatmaps: the leading {crop} × {crop} block of each matrix; each matrix divided by its largest |entry|",
+             fontsize=12)
+figures.save_figure(fig, "fig_connection2fwsvd", output_dir, params, started=started,
+                    notebook="notebooks/kronecker_fisher_from_scratch.py")
+plt.show()
 print(f"all checks passed in {time.perf_counter() - started:.1f} s")
