@@ -399,3 +399,11 @@ def test_a_ratio_beyond_the_sweeps_reach_is_out_of_reach_for_the_sensitivity_all
                            **{t: 0.5 for t in ls.ZERO_SHOT}, **{f"{t}_se": 0.01 for t in ls.ZERO_SHOT}})
     assert table.iloc[1]["Method"].endswith("out of reach") and table.iloc[1]["PTB"] == "n/a"
     assert ls.compare(df, [above], "asvd", ["asvd"]) == []  # no scores, no comparison
+
+
+def test_plain_svd_keys_the_calibration_only_where_its_allocation_reads_it():
+    kw = dict(method="svd", ratio=0.1, kind="ppl", model="m", calibration="c", code="v", sweep="s")
+    assert lc.case_config(allocation="uniform", **kw)["calibration"] is None
+    assert lc.case_config(allocation="sensitivity", **kw)["calibration"] is None
+    for allocation in ("fisher", "calibrated", "calibrated_kl"):  # Theorem 1's curves in the calibration's Fisher
+        assert lc.case_config(allocation=allocation, **kw)["calibration"] == "c"

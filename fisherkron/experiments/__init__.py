@@ -15,8 +15,14 @@ module                      what it holds
 ``calibration_study``       calibration at scale: quality and cost against k and granularity
 ``llm_compression``         the decoder study (Sec. 6.3 and appendices): protocol, cached cases, sweep noise
 ``llm_summary``             its tables in the paper's layout and its verdicts
+``extra_compression``       learned truncation and LoRA recovery on a weighted SVD (Sec. 6.4)
+``teaching``                the weighted-SVD family as dense transformation pairs (Fig. connection2fwsvd)
 ``figures``                 figures and tables written atomically with provenance records
 ``readme``                  README.md's generated numbers, rendered from the committed outputs
+``book``                    the committed executed notebooks and the static site of them (``make book``)
+``tolerance``               how far a rerun's table value may fall from the committed one
+``verify``                  ``make verify``: rerun notebooks into build/verify, compare tables
+``verify_tolerances``       tolerances of tables whose notebook declares none
 ==========================  ================================================================
 
 Import the modules themselves (``from fisherkron.experiments import synthetic``); nothing

@@ -156,10 +156,12 @@ def _documents(protocol: Protocol) -> list[str]:
     return hf.c4_documents()
 
 
-def _sources_hash() -> str:
+def sources_hash(sources=_SOURCES) -> str:
+    """A digest of the contents of the library files ``sources`` (paths below ``fisherkron/``): the part of a
+    cached score's key that changes when the code that computes it changes."""
     h = hashlib.blake2b(digest_size=8)
     pkg = Path(__file__).resolve().parents[1]
-    for rel in _SOURCES:
+    for rel in sources:
         h.update((pkg / rel).read_bytes())
     return h.hexdigest()
 
@@ -239,7 +241,7 @@ def case_config(*, method: str, allocation: str, ratio: float, kind: str, model:
     kron = method == "gfwsvd_transposed" or (method in METHODS and METHODS[method].kronecker)
     cfg = {"code": code, "model": model, "kind": kind, "method": method,
            "allocation": "dense" if dense else allocation, "ratio": 0.0 if dense else round(float(ratio), 6),
-           "calibration": None if dense or method == "svd" else calibration,
+           "calibration": None if dense or (method == "svd" and allocation not in _READS_STATS) else calibration,
            "evaluation": _jsonable(evaluation or {})}
     uses_sweep = allocation == "sensitivity" or (allocation == "ranks" and ranks is None)
     if uses_sweep and not dense:
@@ -254,6 +256,10 @@ def case_config(*, method: str, allocation: str, ratio: float, kind: str, model:
     if kron and not dense:
         cfg["mff_options"] = _jsonable(mff_options or {})
     return cfg
+
+
+#: the allocations that read the calibration statistics even for plain SVD (Theorem 1's curves in the Fisher metric)
+_READS_STATS = ("fisher", "calibrated", "calibrated_kl")
 
 
 def case_key(config: dict) -> str:
@@ -271,12 +277,12 @@ def _jsonable(x):
     return x
 
 
-def _finite_or_none(x):
+def finite_or_none(x):
     """``x`` with every non-finite float replaced by ``None`` (strict JSON; read back as ``nan`` by the tables)."""
     if isinstance(x, dict):
-        return {k: _finite_or_none(v) for k, v in x.items()}
+        return {k: finite_or_none(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite_or_none(v) for v in x]
+        return [finite_or_none(v) for v in x]
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x
@@ -296,6 +302,39 @@ def best_allocation(losses: dict[str, float], order=ALLOCATIONS) -> str:
     if not got:
         raise FisherkronError(f"no finite selection loss among {', '.join(order)}: {losses}")
     return min(got)[2]
+
+
+def scored(configs: dict, build, evaluate, *, read, write, timings: dict, cached: dict) -> dict:
+    """``{kind: result}`` of one model under ``configs`` (``{kind: its case_config}``): each kind read back with
+    ``read(config)`` (a record with ``"result"``, or ``None``); for the missing ones the model is built once
+    (``build() -> (model, info)``), each missing kind evaluated (``evaluate(model, kind)``) and kept with
+    ``write(config, result, seconds)`` as soon as it exists. The ``heldout`` result also holds ``info``. A fresh
+    result is returned as a rerun reads it back (non-finite floats as ``None``). ``timings`` adds the seconds
+    of work done (``compress`` from ``info["compress_seconds"]``, and each kind), ``cached`` counts the kinds
+    read back."""
+    out, todo = {}, []
+    for k, cfg in configs.items():
+        got = read(cfg)
+        if got is None:
+            todo.append(k)
+        else:
+            out[k] = got["result"]
+            cached[k] = cached.get(k, 0) + 1
+    if not todo:
+        return out
+    model, info = build()
+    timings["compress"] = timings.get("compress", 0.0) + info.get("compress_seconds", 0.0)
+    for k in todo:
+        t = time.perf_counter()
+        res = evaluate(model, k)
+        if k == "heldout":
+            res = {**info, **res}
+        sec = time.perf_counter() - t
+        timings[k] = timings.get(k, 0.0) + sec
+        write(configs[k], res, sec)
+        out[k] = finite_or_none(res)
+    del model
+    return out
 
 
 # ----------------------------------------------------------------------------- the study
@@ -375,7 +414,7 @@ class Study:
         return got
 
     def _write(self, config: dict, result: dict, seconds: float) -> None:
-        rec = {"key": case_key(config), "config": config, "result": _finite_or_none(result), "seconds": seconds}
+        rec = {"key": case_key(config), "config": config, "result": finite_or_none(result), "seconds": seconds}
         atomic_write(self._path(config), lambda t: Path(t).write_text(json.dumps(rec, indent=1, allow_nan=False)))
 
     # -- compression
@@ -478,30 +517,8 @@ class Study:
         missing kind computed and kept as soon as it exists. The ``heldout`` record also holds the
         compression's ratios and ranks and is always made first."""
         kinds = ["heldout"] + [k for k in kinds if k != "heldout"]
-        configs = {k: self.config(case, k) for k in kinds}
-        out, todo = {}, []
-        for k in kinds:
-            got = self._read(configs[k])
-            if got is None:
-                todo.append(k)
-            else:
-                out[k] = got["result"]
-                self.cached[k] = self.cached.get(k, 0) + 1
-        if not todo:
-            return out
-        model, info = self.build(case, progress=progress)
-        self.timings["compress"] = self.timings.get("compress", 0.0) + info["compress_seconds"]
-        for k in todo:
-            t = time.perf_counter()
-            res = self.evaluate(model, k)
-            if k == "heldout":
-                res = {**info, **res}
-            sec = time.perf_counter() - t
-            self.timings[k] = self.timings.get(k, 0.0) + sec
-            self._write(configs[k], res, sec)
-            out[k] = res
-        del model
-        return out
+        return scored({k: self.config(case, k) for k in kinds}, lambda: self.build(case, progress=progress),
+                      self.evaluate, read=self._read, write=self._write, timings=self.timings, cached=self.cached)
 
     def max_sensitivity_removal(self) -> int:
         """Parameters removed with every layer at the sweep's largest candidate: the most the sensitivity
@@ -620,7 +637,7 @@ def prepare(protocol: Protocol, target: str = "tab_llm_compression_main", progre
     eval_ids = {name: first_tokens(tok, text, p.eval_tokens) for name, text in texts.items()}
     import transformers
 
-    code = (f"{CODE_VERSION}/{__version__}/{_sources_hash()}/torch-{torch.__version__}/"
+    code = (f"{CODE_VERSION}/{__version__}/{sources_hash()}/torch-{torch.__version__}/"
             f"transformers-{transformers.__version__}")
     return Study(p, model, tok, stats, sweep, select, eval_ids, list(stats.layers), model_fingerprint(model), code,
                  data_root() / "cache" / "studies" / "llm_compression")
