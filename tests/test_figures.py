@@ -89,3 +89,28 @@ def test_relative_output_dir_resolves_against_repo_root(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "notebooks")
     assert figures.repo_root() == tmp_path
     assert figures.output_dir("figs") == tmp_path / "figs" and (tmp_path / "figs").is_dir()
+
+
+def test_dirty_means_changed_sources_not_the_runs_own_outputs(tmp_path):
+    """A notebook rewrites its committed figures one after another: those rewrites must not mark the
+    provenance of its later outputs dirty, while an uncommitted source change must."""
+    import subprocess
+
+    from fisherkron.experiments.figures import git_commit
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "notebooks" / "executed").mkdir(parents=True)
+    for f in ("figures/t.csv", "notebooks/executed/n.ipynb", "code.py"):
+        (tmp_path / f).write_text("0\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    assert git_commit(tmp_path)["dirty"] is False
+    (tmp_path / "figures/t.csv").write_text("1\n")
+    (tmp_path / "notebooks/executed/n.ipynb").write_text("1\n")
+    assert git_commit(tmp_path)["dirty"] is False
+    (tmp_path / "code.py").write_text("1\n")
+    assert git_commit(tmp_path)["dirty"] is True

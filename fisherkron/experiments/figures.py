@@ -69,13 +69,22 @@ def _write_text(path: Path, text: str) -> Path:
 
 
 # -- provenance ------------------------------------------------------------------
+#: the folders of generated outputs (rewritten by the runs themselves): not part of a run's "dirty" source state
+GENERATED = ("figures", "notebooks/executed")
+
+
 def git_commit(root: Path | None = None) -> dict[str, Any]:
-    """``{"commit": sha or None, "dirty": bool or None}`` of the repository at ``root``."""
+    """``{"commit": sha or None, "dirty": bool or None}`` of the repository at ``root``.
+
+    ``dirty``: a tracked file differs from the commit, the generated outputs aside (:data:`GENERATED`): a notebook
+    that rewrites its committed figures one after another would otherwise record its own first outputs as
+    uncommitted changes in the provenance of its later ones."""
     root = root or repo_root()
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10).stdout.strip() or None
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                 *(f":(exclude){g}" for g in GENERATED)], cwd=root,
                                 capture_output=True, text=True, timeout=10)
         dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
