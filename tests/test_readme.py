@@ -52,14 +52,18 @@ def test_every_renderer_has_a_block_in_the_readme():
 def test_planted_drift_in_the_readme_is_caught_and_repaired(tmp_path):
     text = _text()
     gaps = _block(text, "synthetic-gaps")
-    assert "**+9.6 ± 1.7**" in gaps
+    line = next(ln for ln in gaps.splitlines() if ln.startswith("| FWSVD |"))
+    m = re.search(r"\*\*([+\u2212])(\d+)\.(\d) ± (\d+\.\d)\*\*", line)  # FWSVD's bold gap, e.g. **+6.3 ± 0.9**
+    cell = m.group(0)
+    planted = f"**{m[1]}{m[2]}.{(int(m[3]) + 1) % 10} ± {m[4]}**"  # its first decimal moved by one
+    assert planted != cell
     copy = tmp_path / "README.md"
-    copy.write_text(text.replace(gaps, gaps.replace("**+9.6 ± 1.7**", "**+9.7 ± 1.7**")), encoding="utf-8")
+    copy.write_text(text.replace(gaps, gaps.replace(cell, planted)), encoding="utf-8")
 
     problems = readme.check(copy.read_text(encoding="utf-8"), FIGURES)
     assert len(problems) == 1
     assert "'synthetic-gaps'" in problems[0] and "make readme" in problems[0]
-    assert "-| FWSVD | +1.0 ± 0.6 | +1.2 ± 0.4 | **+9.7 ± 1.7** |" in problems[0]  # the diff shows the line
+    assert "-" + line.replace(cell, planted) in problems[0]  # the diff shows the line
 
     cmd = [sys.executable, "-m", "fisherkron.experiments.readme", str(copy), "--figures", str(FIGURES)]
     r = subprocess.run([*cmd, "--check"], capture_output=True, text=True, cwd=tmp_path)
