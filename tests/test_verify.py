@@ -91,12 +91,14 @@ def test_a_table_value_edited_by_hand_is_caught_and_a_timing_is_not(tmp_path, ca
     assert re.search(r"ours_s x\d", capsys.readouterr().out)
 
     gaps = pd.read_csv(new / "tab_synthetic_gaps.csv")
-    gaps.loc[2, "gap"] += 0.01  # one number edited by hand
+    committed = gaps.loc[2, "gap"]
+    gaps.loc[2, "gap"] += 4 * gaps.loc[2, "se"]  # one number edited by hand, beyond its declared 3 se
     gaps.to_csv(new / "tab_synthetic_gaps.csv", index=False)
     assert verify.main(args) == 1
     out = capsys.readouterr().out
     assert "FAIL tab_synthetic_gaps" in out and "PASS tab_diag_full_synth" in out
-    assert re.search(r"tab_synthetic_gaps row 3 \(toeplitz, fwsvd\) column 'gap': committed 0\.0958", out)
+    assert re.search(r"tab_synthetic_gaps row 3 \(toeplitz, fwsvd\) column 'gap': committed "
+                     + re.escape(repr(float(committed))), out)
     report = json.loads((scratch / "report.json").read_text())
     assert [f["column"] for t in report["tables"] for f in t["failures"]] == ["gap"]
 
