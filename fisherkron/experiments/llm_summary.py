@@ -325,15 +325,37 @@ def latex(df: pd.DataFrame, caption: str, label: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: ``make verify``'s tolerance of a decoder-table column, by what its name says it holds (first match wins). Ranks
+#: decided near a threshold or by the integer program can move with float32 differences between CPUs, and one
+#: lm-eval example in 40 is 0.025 of an accuracy, so the scores get a tolerance and the configuration none.
+COLUMN_TOLERANCES = (
+    (re.compile(r"seconds|time", re.I), "timing"),
+    (re.compile(r"^(Block|Method|Stage|Seeds?|transform|Method / Dataset)$", re.I), "exact"),
+    (re.compile(r"ratio", re.I), "rel=0.01"),
+    (re.compile(r"loss", re.I), "abs=0.02"),
+    (re.compile(r"wiki|ptb|ppl|perplexity", re.I), "rel=0.05"),
+    (re.compile(r"mmlu|humanities|other|social|stem|arc|hella|piqa|wino|openbook|avg|acc", re.I), "abs=0.05"),
+)
+
+
+def tolerances(df: pd.DataFrame) -> dict[str, str]:
+    """The verify tolerance of every column of a decoder table (:data:`COLUMN_TOLERANCES`; ``exact`` otherwise).
+
+    >>> tolerances(pd.DataFrame(columns=["Method", "C. Ratio (linear)", "PTB 10 %", "ARC-E", "held-out loss"]))
+    {'Method': 'exact', 'C. Ratio (linear)': 'rel=0.01', 'PTB 10 %': 'rel=0.05', 'ARC-E': 'abs=0.05', 'held-out loss': 'abs=0.02'}
+    """
+    return {str(c): next((tol for pat, tol in COLUMN_TOLERANCES if pat.search(str(c))), "exact") for c in df.columns}
+
+
 def save(df: pd.DataFrame, name: str, output_dir, params: dict, *, caption: str, label: str, notebook: str,
          started: float, extra: dict | None = None) -> list[Path]:
-    """:func:`fisherkron.experiments.figures.save_table`, then the ``.tex`` rewritten in the paper's layout
-    (:func:`latex`), atomically."""
+    """:func:`fisherkron.experiments.figures.save_table` with the columns' verify :func:`tolerances`, then the
+    ``.tex`` rewritten in the paper's layout (:func:`latex`), atomically."""
     from ..env import atomic_write
     from . import figures
 
     paths = figures.save_table(df, name, output_dir, params, caption=caption, label=label, started=started,
-                               notebook=notebook, extra=extra)
+                               notebook=notebook, extra=extra, tolerances=tolerances(df))
     tex = figures.output_dir(output_dir) / f"{name}.tex"
     atomic_write(tex, lambda t: Path(t).write_text(latex(df, caption, label), encoding="utf-8"))
     return paths
