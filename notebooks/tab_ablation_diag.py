@@ -80,10 +80,7 @@ params = {k_: v for k_, v in dict(globals()).items()
           if k_ in ("profile", "model_name", "calib_docs", "k", "batch_size", "seq_len", "seed", "sweep_docs",
                     "heldout_k", "select_k", "layers", "eval_tokens", "eval_seq_len", "sens_ratios", "mff_tol",
                     "ratios", "rows_order", "ranks_from", "transposed_ratios")}
-proto = lc.Protocol(model_name=model_name, profile=profile, calib_docs=calib_docs, k=k, batch_size=batch_size,
-                    seq_len=seq_len, seed=seed, sweep_docs=sweep_docs, heldout_k=heldout_k, select_k=select_k,
-                    layers=layers, eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, sens_ratios=tuple(sens_ratios),
-                    mff_tol=mff_tol)
+proto = lc.Protocol.from_params(params)
 study = lc.prepare(proto, target="tab_ablation_diag")
 dense = ls.flatten(study.scores(lc.Case("dense", "dense", 0.0), ("heldout", "ppl")))
 print(f"dense: Wikipedia {dense['ppl_wiki']:.2f}, PTB {dense['ppl_ptb']:.2f}")

@@ -127,10 +127,7 @@ params = {k_: v for k_, v in dict(globals()).items()
                     "trunc_beta", "trunc_lm_loss", "trunc_keep", "lora_steps", "lora_accumulate", "lora_lr",
                     "lora_rank", "lora_alpha", "lora_dropout", "lora_warmup", "collapse_multiple", "lead_tol",
                     "curve_smooth")}
-proto = lc.Protocol(model_name=model_name, profile=profile, calib_docs=calib_docs, k=k, batch_size=batch_size,
-                    seq_len=seq_len, seed=seed, sweep_docs=sweep_docs, heldout_k=heldout_k, select_k=select_k,
-                    layers=layers, eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, mff_tol=mff_tol,
-                    zero_shot_limit=zero_shot_limit, lm_eval_batch_size=lm_eval_batch_size)
+proto = lc.Protocol.from_params(params)
 training = xc.Training(allocation=allocation, init=trunc_init, text=train_text, train_k=train_k,
                        batch_size=train_batch_size, seq_len=train_seq_len, trunc_steps=trunc_steps,
                        trunc_accumulate=trunc_accumulate, lr=trunc_lr, min_lr=trunc_min_lr, lam=trunc_lam,

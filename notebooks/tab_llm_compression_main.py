@@ -93,10 +93,7 @@ params = {k_: v for k_, v in dict(globals()).items()
                     "heldout_k", "select_k", "layers", "eval_tokens", "eval_seq_len", "sens_ratios", "mff_tol",
                     "zero_shot_limit", "lm_eval_batch_size", "ratios", "methods", "extra_methods", "noise_methods",
                     "noise_layers", "collapse_multiple")}
-proto = lc.Protocol(model_name=model_name, profile=profile, calib_docs=calib_docs, k=k, batch_size=batch_size,
-                    seq_len=seq_len, seed=seed, sweep_docs=sweep_docs, heldout_k=heldout_k, select_k=select_k,
-                    layers=layers, eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, sens_ratios=tuple(sens_ratios),
-                    mff_tol=mff_tol, zero_shot_limit=zero_shot_limit, lm_eval_batch_size=lm_eval_batch_size)
+proto = lc.Protocol.from_params(params)
 study = lc.prepare(proto, target="tab_llm_compression_main")
 dense = ls.flatten(study.scores(lc.Case("dense", "dense", 0.0), ("heldout", "ppl", "zeroshot")))
 limit_txt = "all examples" if zero_shot_limit is None else f"the first {zero_shot_limit} examples of each task"
@@ -146,9 +143,7 @@ print(f"sweep on {sweep_tokens:,} tokens: {above:.0%} of the {len(noise)} least 
 # %%
 rows, selections = lc.run_table(study, methods, ratios, ("heldout", "ppl", "zeroshot"), extra=extra_methods)
 df = pd.DataFrame(rows)
-sel = pd.DataFrame([{"method": m, "target": t, **{f"loss_{a}": v for a, v in s["losses"].items()},
-                     "best": s["best"], "out_of_reach": ", ".join(s["infeasible"])}
-                    for m, per in selections.items() for t, s in per.items()])
+sel = ls.selection_table(selections)
 display(sel)
 
 # %%

@@ -82,11 +82,7 @@ params = {k_: v for k_, v in dict(globals()).items()
                     "heldout_k", "select_k", "layers", "eval_tokens", "eval_seq_len", "sens_ratios", "mff_tol",
                     "mmlu_limit", "mmlu_tasks", "lm_eval_batch_size", "ratios", "methods", "extra_methods", "chance",
                     "collapse_multiple")}
-proto = lc.Protocol(model_name=model_name, profile=profile, calib_docs=calib_docs, k=k, batch_size=batch_size,
-                    seq_len=seq_len, seed=seed, sweep_docs=sweep_docs, heldout_k=heldout_k, select_k=select_k,
-                    layers=layers, eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, sens_ratios=tuple(sens_ratios),
-                    mff_tol=mff_tol, mmlu_limit=mmlu_limit, mmlu_tasks=tuple(mmlu_tasks),
-                    lm_eval_batch_size=lm_eval_batch_size)
+proto = lc.Protocol.from_params(params)
 study = lc.prepare(proto, target="tab_llm_compression_mmlu")
 dense = ls.flatten(study.scores(lc.Case("dense", "dense", 0.0), ("heldout", "ppl", "mmlu")))
 limit_txt = "every question" if mmlu_limit is None else f"the first {mmlu_limit} test questions of each subject"
@@ -101,9 +97,7 @@ print(f"dense: Wikipedia {dense['ppl_wiki']:.2f}, PTB {dense['ppl_ptb']:.2f}, MM
 # %%
 rows, selections = lc.run_table(study, methods, ratios, ("heldout", "ppl", "mmlu"), extra=extra_methods)
 df = pd.DataFrame(rows)
-sel = pd.DataFrame([{"method": m, "target": t, **{f"loss_{a}": v for a, v in s["losses"].items()},
-                     "best": s["best"], "out_of_reach": ", ".join(s["infeasible"])}
-                    for m, per in selections.items() for t, s in per.items()])
+sel = ls.selection_table(selections)
 display(sel)
 
 # %%

@@ -36,7 +36,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -117,6 +117,17 @@ class Protocol:
     mmlu_tasks: tuple = ("mmlu",)  # the 57-subject group, or some ``mmlu_<subject>`` (a smoke run)
     lm_eval_batch_size: int = 16
     bootstrap_iters: int = 100
+
+    @classmethod
+    def from_params(cls, params: dict) -> "Protocol":
+        """The protocol a notebook's recorded parameters describe: each field of this class that ``params`` names
+        (a list as a tuple); a field it does not name keeps its default.
+
+        >>> Protocol.from_params({"k": 4, "sens_ratios": [0.5], "ratios": [0.1]}).sens_ratios
+        (0.5,)
+        """
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items() if k in names})
 
 
 def check_reachable(model_name: str, target: str) -> None:

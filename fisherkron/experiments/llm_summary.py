@@ -152,6 +152,19 @@ def flatten(scores: dict) -> dict:
 
 # ----------------------------------------------------------------------------- tables
 
+def selection_table(selections: dict) -> pd.DataFrame:
+    """One row per (method, target) of :func:`~fisherkron.experiments.llm_compression.run_table`'s selections: each
+    allocation's held-out selection loss (``loss_<allocation>``), the chosen one and those out of reach.
+
+    >>> selection_table({"m": {0.1: {"losses": {"uniform": 5.0}, "best": "uniform", "infeasible": ["sensitivity"]}}})
+      method  target  loss_uniform     best out_of_reach
+    0      m     0.1           5.0  uniform  sensitivity
+    """
+    return pd.DataFrame([{"method": m, "target": t, **{f"loss_{a}": v for a, v in s["losses"].items()},
+                          "best": s["best"], "out_of_reach": ", ".join(s["infeasible"])}
+                         for m, per in selections.items() for t, s in per.items()])
+
+
 def fmt_acc(acc: float, se: float, digits: int = 2) -> str:
     """``"0.31 ± 0.01"``; standard errors below 0.01 get one more digit (the paper's ``± 0.003``)."""
     if acc is None or (isinstance(acc, float) and math.isnan(acc)):
