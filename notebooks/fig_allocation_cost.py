@@ -96,7 +96,12 @@ print(f"dense: Wikipedia {dense['ppl_wiki']:.2f}, PTB {dense['ppl_ptb']:.2f}, he
 plan = {m: list(allocations) for m in methods}
 if asvd_allocations:
     plan["asvd"] = list(asvd_allocations)
-rows = ac.run_grid(study, list(plan), plan, ratios)
+rows, curves = [], {}
+for m in plan:  # Theorem 1's curves of a method read its weighted SVDs while the study still holds them
+    rows += ac.run_grid(study, [m], plan, ratios)
+    if m in methods:
+        curves[m], _ = fisher_curves(study.model, m, study.stats, study.names, mff_options=study.mff_options,
+                                     decompositions=study.decompositions_of(m))
 df = pd.DataFrame(rows)
 df["ppl_ptb_x"] = df["ppl_ptb"] / dense["ppl_ptb"]
 cols = ["method", "allocation", "target", "ratio", "ppl_wiki", "ppl_ptb", "ppl_ptb_x", "loss", "evaluations",
@@ -156,12 +161,10 @@ figures.save_figure(fig, "fig_allocation_cost", output_dir, params, started=star
 # %%
 pred_rows, rho = [], {}
 for m in methods:
-    curves, _ = fisher_curves(study.model, m, study.stats, study.names, mff_options=study.mff_options,
-                              decompositions=study.decompositions_of(m))
     mine = [r for r in rows if r["method"] == m]
     cal = [r for r in mine if r["allocation"] == "calibrated" and r.get("scales")]
     scales = cal[0]["scales"] if cal else None
-    p = ac.predictions(mine, curves, dense["loss"], scales=scales)
+    p = ac.predictions(mine, curves[m], dense["loss"], scales=scales)
     pred_rows += p
     rho[m] = {"raw": ac.spearman([x["predicted_raw"] for x in p], [x["measured"] for x in p]),
               "calibrated": ac.spearman([x["predicted_calibrated"] for x in p], [x["measured"] for x in p]),

@@ -14,14 +14,13 @@ from tiny_models import tiny_llama, token_batches
 
 
 def test_cost_of_free_and_measuring_allocations():
-    assert ac.cost("fisher", {"allocation_evaluations": 99}, n_layers=4) == {"evaluations": 0, "seconds": 0.0,
-                                                                            "kind": "free"}
-    got = ac.cost("calibrated", {"allocation_evaluations": 5, "sweep_seconds": 2.5}, n_layers=4)
+    assert ac.cost("fisher", {"allocation_evaluations": 99}) == {"evaluations": 0, "seconds": 0.0, "kind": "free"}
+    got = ac.cost("calibrated", {"allocation_evaluations": 5, "sweep_seconds": 2.5})
     assert got == {"evaluations": 5, "seconds": 2.5, "kind": "one point"}
     with pytest.raises(FisherkronError, match="records no evaluations"):
-        ac.cost("sensitivity", {}, n_layers=4)
+        ac.cost("sensitivity", {})
     with pytest.raises(FisherkronError, match="not one of"):
-        ac.cost("greedy", {}, n_layers=4)
+        ac.cost("greedy", {})
 
 
 def test_predictions_sum_the_curves_at_the_chosen_ranks():

@@ -55,17 +55,17 @@ def run_grid(study, methods, allocations, ratios, *, progress: bool = True) -> l
         got = study.scores(Case(method, allocation, target), ("heldout", "ppl"))
         held = got["heldout"]
         rows.append({"method": method, "allocation": allocation, "target": target, **flatten(got),
-                     **cost(allocation, held, n_layers=len(study.names)), "ranks": held.get("ranks", {}),
+                     **cost(allocation, held), "ranks": held.get("ranks", {}),
                      "predicted": held.get("predicted"), "scales": held.get("scales")})
     return rows
 
 
-def cost(allocation: str, held: dict, *, n_layers: int) -> dict:
+def cost(allocation: str, held: dict) -> dict:
     """What ``allocation`` spent to choose its ranks: model ``evaluations`` (a held-out loss or KL of the model
     with one layer compressed, plus the dense reference) and their ``seconds`` as first measured (a sweep read
     back from the cache reports the seconds it took when it ran). The free allocations spend none.
 
-    >>> cost("uniform", {}, n_layers=3)
+    >>> cost("uniform", {})
     {'evaluations': 0, 'seconds': 0.0, 'kind': 'free'}
     """
     if allocation not in STRATEGY_KIND:
