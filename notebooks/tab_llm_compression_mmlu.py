@@ -65,7 +65,6 @@ collapse_multiple = 10.0
 import time
 
 import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
 import transformers
 from IPython.display import Markdown, display

@@ -344,22 +344,11 @@ class ExtraStudy:
 
     # -- the cache
     def _read(self, config: dict) -> dict | None:
-        key = lc.case_key(config)
-        for folder in (self.cache_dir, *self.fallback_dirs):
-            path = Path(folder) / f"{key}.json"
-            try:
-                got = json.loads(path.read_text()) if path.is_file() else None
-            except (OSError, ValueError) as exc:
-                log.warning("cached score %s is unreadable (%s); computing it again", path, exc)
-                continue
-            if isinstance(got, dict) and got.get("key") == key and "result" in got:
-                return got
-        return None
+        return next((got for folder in (self.cache_dir, *self.fallback_dirs)
+                     if (got := lc.read_score(folder, config)) is not None), None)
 
     def _write(self, config: dict, result: dict, seconds: float) -> None:
-        rec = {"key": lc.case_key(config), "config": config, "result": lc.finite_or_none(result), "seconds": seconds}
-        atomic_write(self.cache_dir / f"{rec['key']}.json",
-                     lambda t: Path(t).write_text(json.dumps(rec, indent=1, allow_nan=False)))
+        lc.write_score(self.cache_dir, config, result, seconds)
 
     # -- models
     def allocated_ranks(self, row: Row) -> dict:

@@ -34,7 +34,6 @@ import hashlib
 import json
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -315,6 +314,27 @@ def best_allocation(losses: dict[str, float], order=ALLOCATIONS) -> str:
     return min(got)[2]
 
 
+def read_score(folder, config: dict) -> dict | None:
+    """The cached record of ``config`` in ``folder`` (``{"key", "config", "result", "seconds"}``), or ``None`` when
+    it is missing, unreadable (a warning) or holds another key."""
+    path = Path(folder) / f"{case_key(config)}.json"
+    try:
+        got = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError) as exc:
+        log.warning("cached score %s is unreadable (%s); computing it again", path, exc)
+        return None
+    if not isinstance(got, dict) or got.get("key") != case_key(config) or "result" not in got:
+        return None
+    return got
+
+
+def write_score(folder, config: dict, result: dict, seconds: float) -> None:
+    """Keep ``result`` of ``config`` in ``folder`` (atomically; strict JSON, non-finite floats as ``null``)."""
+    rec = {"key": case_key(config), "config": config, "result": finite_or_none(result), "seconds": seconds}
+    atomic_write(Path(folder) / f"{rec['key']}.json",
+                 lambda t: Path(t).write_text(json.dumps(rec, indent=1, allow_nan=False)))
+
+
 def scored(configs: dict, build, evaluate, *, read, write, timings: dict, cached: dict) -> dict:
     """``{kind: result}`` of one model under ``configs`` (``{kind: its case_config}``): each kind read back with
     ``read(config)`` (a record with ``"result"``, or ``None``); for the missing ones the model is built once
@@ -410,23 +430,11 @@ class Study:
                            sweep=data_fingerprint(self.sweep_batches), candidates=self.protocol.sens_ratios,
                            ranks=ranks, mff_options=self.mff_options, evaluation=self.evaluation_settings(kind))
 
-    def _path(self, config: dict) -> Path:
-        return self.cache_dir / f"{case_key(config)}.json"
-
     def _read(self, config: dict) -> dict | None:
-        path = self._path(config)
-        try:
-            got = json.loads(path.read_text()) if path.is_file() else None
-        except (OSError, ValueError) as exc:
-            log.warning("cached score %s is unreadable (%s); computing it again", path, exc)
-            return None
-        if not isinstance(got, dict) or got.get("key") != case_key(config) or "result" not in got:
-            return None
-        return got
+        return read_score(self.cache_dir, config)
 
     def _write(self, config: dict, result: dict, seconds: float) -> None:
-        rec = {"key": case_key(config), "config": config, "result": finite_or_none(result), "seconds": seconds}
-        atomic_write(self._path(config), lambda t: Path(t).write_text(json.dumps(rec, indent=1, allow_nan=False)))
+        write_score(self.cache_dir, config, result, seconds)
 
     # -- compression
     def ranks_of(self, case: Case) -> dict:
