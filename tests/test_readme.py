@@ -141,3 +141,24 @@ def test_wrapped_lines_stay_the_same_markdown(line):
         assert not re.fullmatch(r"\d+[.)]|[-+*>#=|]+", first), x  # would start a list, quote or heading
         assert not first.startswith("%"), x
     assert all(len(x) <= 60 or " " not in x.strip() or "`" in x or "[" in x for x in lines)
+
+
+def test_a_long_study_renders_pending_until_its_outputs_land_then_its_table_and_verdicts(tmp_path):
+    """A study not yet run shows no number; once its table and summary are committed, the block is the
+    committed Markdown table (with the caption the notebook recorded) and the notebook's own verdict lines."""
+    import pandas as pd
+
+    from fisherkron.experiments import figures
+    text = ("<!-- generated:study-table:tab_ablation_diag -->\n<!-- /generated:study-table:tab_ablation_diag -->\n"
+            "<!-- generated:study-verdicts:tab_ablation_diag -->\n<!-- /generated:study-verdicts:tab_ablation_diag -->\n")
+    pending = readme.render(text, tmp_path)
+    assert "Not yet run: `make tab_ablation_diag`" in pending and not re.search(r"\d", pending.replace(
+        "tab_ablation_diag", ""))
+    figures.save_table(pd.DataFrame({"Method": ["GFWSVD"], "PTB": [123.4]}), "tab_ablation_diag", tmp_path, {},
+                       caption="PTB perplexity at 10 %.", notebook="notebooks/tab_ablation_diag.py")
+    figures.write_provenance(tmp_path, "tab_ablation_diag_summary", figures.provenance(
+        "tab_ablation_diag_summary", {}, extra={"lines": ["* The ordering **does not hold**."]}))
+    done = readme.render(pending, tmp_path)
+    assert "| GFWSVD | 123.4 |" in done and "PTB perplexity at 10 %." in done
+    assert "* The ordering **does not hold**." in done and "Not yet run" not in done
+    assert readme.check(done, tmp_path) == [] and readme.check(pending, tmp_path) != []

@@ -285,6 +285,8 @@ def save_table(df, name: str, folder: str | os.PathLike, params: Mapping[str, An
     tex = _write_text(out / f"{name}.tex", latex_table(df, caption=caption, label=label, floatfmt=floatfmt))
     rec = provenance(name, params, files=[csv.name, md.name, tex.name], started=started, notebook=notebook,
                      extra=extra)
+    if caption:
+        rec["caption"] = caption  # the README's study blocks quote it
     if declared:
         rec["tolerances"] = declared
     return [csv, md, tex, write_provenance(out, name, rec)]

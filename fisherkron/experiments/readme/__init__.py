@@ -8,7 +8,7 @@ Every number in README.md's results and verdict sections sits in a marked block:
 
 or, inside one line (a table cell), ``<!-- generated:NAME -->253 s<!-- /generated:NAME -->``.
 Each ``NAME`` has a renderer in one of this package's modules (``layer_studies``, ``encoder``,
-``decoder``, ``calibration``, ``reproduce``; number formats in ``formats``) that reads only
+``decoder``, ``calibration``, ``reproduce``, ``studies``; number formats in ``formats``) that reads only
 committed files -- the tables ``figures/*.csv``, the summary records (the ``"extra"`` of
 ``figures/*_summary.provenance.json``) and the ``wall_seconds`` of provenance records -- and
 returns the block's text. A name may carry an argument after a colon (``time:fig_time_algo``).
@@ -133,10 +133,10 @@ def _indent(text: str, m: re.Match) -> str:
 
 def renderers() -> dict[str, Callable]:
     """Every block name and its renderer ``f(outputs)`` or, for ``NAME:ARG`` blocks, ``f(outputs, arg)``."""
-    from . import calibration, decoder, encoder, layer_studies, reproduce
+    from . import calibration, decoder, encoder, layer_studies, reproduce, studies
 
     out: dict[str, Callable] = {}
-    for mod in (layer_studies, decoder, encoder, calibration, reproduce):
+    for mod in (layer_studies, decoder, encoder, calibration, reproduce, studies):
         out.update(mod.BLOCKS)
     return out
 
