@@ -49,24 +49,16 @@ nb_commits = $(and $(filter default,$(PROFILE)),$(filter figures,$(FIGDIR)),$(fi
 # $(call nb_executed,NAME): the executed notebook make tracks for NAME
 nb_executed = $(if $(nb_commits),$(NB_EXECUTED)/$1.ipynb,$(NB_BUILD)/$1.ipynb)
 
-# $(call run_notebook,NAME,OUTPUTS[,COMMITTED]): execute one notebook; the executed .ipynb is
-# written under a temporary name and moved into place; every declared output
-# must exist afterwards. A failed run leaves build/.../NAME.failed.ipynb. With COMMITTED
-# (notebooks/executed/NAME.ipynb, see above) the stripped committed copy is written there too.
+# $(call run_notebook,NAME,OUTPUTS[,COMMITTED]): execute one notebook with
+# fisherkron.experiments.execute (jupytext, then papermill with the profile's parameters; the one
+# definition of how, which `make verify` runs too): the executed .ipynb is written under a temporary
+# name and moved into place, a failed run leaves build/.../NAME.failed.ipynb. Every declared output
+# must exist afterwards. With COMMITTED (notebooks/executed/NAME.ipynb, see above) the stripped
+# committed copy is written there too.
 define run_notebook
-	@mkdir -p $(NB_BUILD) $(FIGDIR)
 	@echo "[notebook] $1 (PROFILE=$(PROFILE), outputs in $(FIGDIR)/)"
-	$(PY) -m jupytext --quiet --to ipynb --output $(NB_BUILD)/$1.src.ipynb $(NB_DIR)/$1.py
-	@start=$$SECONDS; \
-	$(PY) -m papermill --no-progress-bar --log-level WARNING -k python3 --cwd $(CURDIR) \
-	  -f $(NB_PARAMS)/$1.$(PROFILE).yaml -p output_dir $(FIGDIR) -p profile $(PROFILE) \
-	  $(NB_BUILD)/$1.src.ipynb $(NB_BUILD)/$1.tmp.ipynb \
-	  || { mv -f $(NB_BUILD)/$1.tmp.ipynb $(NB_BUILD)/$1.failed.ipynb 2>/dev/null; \
-	       echo "[notebook] $1 FAILED: see $(NB_BUILD)/$1.failed.ipynb" >&2; exit 1; }; \
-	echo "[notebook] $1 took $$((SECONDS - start)) s"
+	$(PY) -m fisherkron.experiments.execute $1 --profile $(PROFILE) --figdir $(FIGDIR) --build $(NB_BUILD)
 	@for f in $2; do test -e "$$f" || { echo "[notebook] $1 did not write $$f" >&2; exit 1; }; done
-	@rm -f $(NB_BUILD)/$1.src.ipynb $(NB_BUILD)/$1.failed.ipynb
-	@mv -f $(NB_BUILD)/$1.tmp.ipynb $(NB_BUILD)/$1.ipynb
 	$(if $3,$(PY) -m fisherkron.experiments.book strip $(NB_BUILD)/$1.ipynb $3)
 endef
 

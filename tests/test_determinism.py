@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 
 from fisherkron.experiments import verify
+from fisherkron.experiments.execute import execute
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ["fig_synthetic_correlations", "fig_time_algo"]
@@ -23,8 +24,8 @@ NOTEBOOKS = ["fig_synthetic_correlations", "fig_time_algo"]
 
 def _run(name: str, out: Path) -> Path:
     env = dict(os.environ, FISHERKRON_DATA=str(out / "data"))
-    ok, _, _ = verify.run_notebook(name, out / "figures", out / "notebooks", env=env, profile="smoke", root=ROOT,
-                                log=out / f"{name}.log")
+    ok, _, _ = execute(name, out / "figures", out / "notebooks", env=env, profile="smoke", root=ROOT,
+                       log=out / f"{name}.log")
     assert ok, (out / f"{name}.log").read_text()[-3000:]
     return out / "figures"
 

@@ -35,7 +35,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -45,9 +44,10 @@ from typing import Any
 
 from ..env import REPO_ROOT
 from . import tolerance as T
+from .execute import execute
 
 __all__ = ["Failure", "TableReport", "compare_frames", "compare_table", "compare_notebook", "tables_of",
-           "declared_tolerances", "run_notebook", "main"]
+           "declared_tolerances", "main"]
 
 _NUM = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
@@ -298,45 +298,6 @@ def _rel(p: Path, root: Path) -> str:
         return str(Path(p).resolve())
 
 
-def run_notebook(name: str, figdir: Path, nb_build: Path, *, env: Mapping[str, str] | None = None,
-                 profile: str = "default", root: Path = REPO_ROOT, log: Path | None = None) -> tuple[bool, float, float]:
-    """Execute ``notebooks/<name>.py`` as mk/notebooks.mk's ``run_notebook`` does, outputs in ``figdir``.
-
-    The executed notebook goes to ``nb_build/<name>.ipynb`` (``<name>.failed.ipynb`` on an error);
-    papermill's output goes to ``log``. Returns ``(succeeded, wall seconds, CPU seconds)``; the
-    CPU seconds (of jupytext, papermill and the kernel) over the cores estimate the wall time on an
-    idle machine when other work shares the cores.
-    """
-    root = Path(root)
-    nb_build.mkdir(parents=True, exist_ok=True)
-    figdir.mkdir(parents=True, exist_ok=True)
-    src, tmp = nb_build / f"{name}.src.ipynb", nb_build / f"{name}.tmp.ipynb"
-    py = sys.executable
-    t0, cpu0 = time.perf_counter(), _children_cpu()
-    with open(log or os.devnull, "w", encoding="utf-8") as out:
-        steps = [[py, "-m", "jupytext", "--quiet", "--to", "ipynb", "--output", str(src), f"notebooks/{name}.py"],
-                 [py, "-m", "papermill", "--no-progress-bar", "--log-level", "WARNING", "-k", "python3",
-                  "--cwd", str(root), "-f", f"notebooks/params/{name}.{profile}.yaml",
-                  "-p", "output_dir", _rel(figdir, root), "-p", "profile", profile, str(src), str(tmp)]]
-        ok = True
-        for cmd in steps:
-            if subprocess.run(cmd, cwd=root, env=dict(env or os.environ), stdout=out, stderr=subprocess.STDOUT).returncode:
-                ok = False
-                break
-    src.unlink(missing_ok=True)
-    if tmp.exists():
-        tmp.replace(nb_build / (f"{name}.ipynb" if ok else f"{name}.failed.ipynb"))
-    return ok, time.perf_counter() - t0, _children_cpu() - cpu0
-
-
-def _children_cpu() -> float:
-    """CPU seconds (user + system) of this process's finished descendants."""
-    import resource
-
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
-
-
 def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
     env = dict(os.environ)
     if mode == "shared":
@@ -389,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[verify] {len(names)} notebook(s) into {_rel(scratch, root)}/ with {what}; committed tables: "
               f"{_rel(ref, root)}/", flush=True)
         for n in names:
-            ok, sec, cpu = run_notebook(n, figdir, nb_build, env=env, root=root, log=logs / f"{n}.log")
+            ok, sec, cpu = execute(n, figdir, nb_build, env=env, root=root, log=logs / f"{n}.log")
             runs[n] = round(sec, 1)
             cpus[n] = round(cpu, 1)
             print(f"[verify] {n}: {'ran' if ok else 'FAILED'} in {sec:.0f} s (CPU {cpu:.0f} s)"

@@ -7,7 +7,7 @@ import re
 import statistics
 from typing import TYPE_CHECKING
 
-from .formats import and_list, bold, cpu, method_name, num, pct, perplexity, sci, secs, table
+from .formats import and_list, bold, cpu, method_name, num, pct, sci, secs, table
 
 if TYPE_CHECKING:
     from . import Outputs

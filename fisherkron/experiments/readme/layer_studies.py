@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ...core.conventions import FisherkronError
 from ...env import REPO_ROOT
-from .formats import bold, cpu, factor, num, pct, sci, secs, signed, span, table, word
+from .formats import bold, cpu, num, pct, sci, secs, signed, span, table, word
 
 if TYPE_CHECKING:
     from . import Outputs

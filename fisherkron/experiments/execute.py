@@ -1,0 +1,119 @@
+"""Execute one notebook: the single definition of how, used by ``mk/notebooks.mk`` and by ``make verify``.
+
+``notebooks/<name>.py`` (jupytext py:percent) becomes ``<build>/<name>.src.ipynb``; papermill runs it with
+the profile's parameters ``notebooks/params/<name>.<profile>.yaml`` plus ``output_dir`` (where its figures
+and tables go) and ``profile``, into ``<build>/<name>.tmp.ipynb``. On success that is moved to
+``<build>/<name>.ipynb``; on an error to ``<build>/<name>.failed.ipynb`` (the cell that failed is in it), so an
+executed notebook is never half-written under its real name.
+
+Command line (what the ``run_notebook`` macro of ``mk/notebooks.mk`` calls)::
+
+    python -m fisherkron.experiments.execute NAME --profile default --figdir figures --build build/notebooks/default
+
+prints ``[notebook] NAME took N s`` or where the failed notebook is, and exits 1 on a failure.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..env import REPO_ROOT
+
+__all__ = ["commands", "execute", "main"]
+
+
+def _rel(p: Path, root: Path) -> str:
+    p = Path(p)
+    try:
+        return str(p.resolve().relative_to(Path(root).resolve()))
+    except ValueError:
+        return str(p)
+
+
+def commands(name: str, figdir: Path, nb_build: Path, *, profile: str = "default",
+             root: Path = REPO_ROOT) -> list[list[str]]:
+    """The two commands (jupytext, papermill) that execute ``notebooks/<name>.py`` into ``nb_build``."""
+    py = sys.executable
+    src, tmp = Path(nb_build) / f"{name}.src.ipynb", Path(nb_build) / f"{name}.tmp.ipynb"
+    return [[py, "-m", "jupytext", "--quiet", "--to", "ipynb", "--output", str(src), f"notebooks/{name}.py"],
+            [py, "-m", "papermill", "--no-progress-bar", "--log-level", "WARNING", "-k", "python3",
+             "--cwd", str(root), "-f", f"notebooks/params/{name}.{profile}.yaml",
+             "-p", "output_dir", _rel(figdir, root), "-p", "profile", profile, str(src), str(tmp)]]
+
+
+def execute(name: str, figdir: Path, nb_build: Path, *, profile: str = "default", root: Path = REPO_ROOT,
+            env: Mapping[str, str] | None = None, log: Path | None = None) -> tuple[bool, float, float]:
+    """Execute ``notebooks/<name>.py`` with ``profile``'s parameters, its outputs in ``figdir``.
+
+    The executed notebook goes to ``nb_build/<name>.ipynb`` (``<name>.failed.ipynb`` on an error);
+    the commands' output goes to ``log`` (default: this process's stdout). Returns ``(succeeded, wall
+    seconds, CPU seconds)``; the CPU seconds (of jupytext, papermill and the kernel) over the cores
+    estimate the wall time on an idle machine when other work shares the cores.
+    """
+    root, nb_build = Path(root), Path(nb_build)
+    nb_build.mkdir(parents=True, exist_ok=True)
+    Path(figdir).mkdir(parents=True, exist_ok=True)
+    src, tmp = nb_build / f"{name}.src.ipynb", nb_build / f"{name}.tmp.ipynb"
+    t0, cpu0 = time.perf_counter(), _children_cpu()
+    ok = True
+    with open(log, "w", encoding="utf-8") if log else _stdout() as out:
+        for cmd in commands(name, figdir, nb_build, profile=profile, root=root):
+            if subprocess.run(cmd, cwd=root, env=dict(env or os.environ), stdout=out,
+                              stderr=subprocess.STDOUT).returncode:
+                ok = False
+                break
+    src.unlink(missing_ok=True)
+    if tmp.exists():
+        done, failed = nb_build / f"{name}.ipynb", nb_build / f"{name}.failed.ipynb"
+        tmp.replace(done if ok else failed)
+        (failed if ok else done).unlink(missing_ok=True)  # never an old copy beside the new one
+    return ok, time.perf_counter() - t0, _children_cpu() - cpu0
+
+
+class _stdout:
+    """``sys.stdout`` as a context manager that does not close it (flushed so the order holds)."""
+
+    def __enter__(self):
+        sys.stdout.flush()
+        return None  # subprocess: inherit this process's stdout
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished descendants."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fisherkron.experiments.execute", description=__doc__.split("\n")[0])
+    ap.add_argument("name", help="the notebook, notebooks/<name>.py")
+    ap.add_argument("--profile", default="default", help="the parameter file notebooks/params/<name>.<profile>.yaml")
+    ap.add_argument("--figdir", default="figures", help="where the notebook writes its figures and tables")
+    ap.add_argument("--build", default=None, help="where the executed notebook goes (build/notebooks/<profile>)")
+    a = ap.parse_args(argv)
+    build = Path(a.build or f"build/notebooks/{a.profile}")
+    params = REPO_ROOT / "notebooks" / "params" / f"{a.name}.{a.profile}.yaml"
+    if not (REPO_ROOT / "notebooks" / f"{a.name}.py").is_file() or not params.is_file():
+        print(f"[notebook] {a.name}: no notebooks/{a.name}.py or no parameter file {_rel(params, REPO_ROOT)}; "
+              f"the notebooks are listed by `make help`", file=sys.stderr)
+        return 2
+    ok, sec, _ = execute(a.name, Path(a.figdir), build, profile=a.profile)
+    if not ok:
+        print(f"[notebook] {a.name} FAILED: see {build / f'{a.name}.failed.ipynb'}", file=sys.stderr)
+        return 1
+    print(f"[notebook] {a.name} took {sec:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
