@@ -29,6 +29,8 @@ Path(output_dir).mkdir(parents=True, exist_ok=True)
 if fail:
     raise RuntimeError("planted failure")
 (Path(output_dir) / "done.txt").write_text(profile)
+import sys
+print("step 1 of 1", file=sys.stderr)
 """
 
 
@@ -44,10 +46,11 @@ def test_a_run_lands_atomically_and_a_failure_replaces_the_executed_copy(tmp_pat
     ok, wall, _ = execute("nb", tmp_path / "figs", build, profile="smoke", root=tmp_path, log=tmp_path / "a.log")
     assert ok and wall > 0
     assert (tmp_path / "figs" / "done.txt").read_text() == "smoke"  # the profile and output_dir reached it
-    assert sorted(p.name for p in build.iterdir()) == ["nb.ipynb"]  # no .src / .tmp left behind
+    assert sorted(p.name for p in build.iterdir()) == ["nb.ipynb", "nb.progress.log"]  # no .src / .tmp left
+    assert "step 1 of 1" in (build / "nb.progress.log").read_text()  # stderr streamed while it ran
 
     _project(tmp_path, fail=True)
     ok, _, _ = execute("nb", tmp_path / "figs", build, profile="smoke", root=tmp_path, log=tmp_path / "b.log")
     assert not ok
-    assert sorted(p.name for p in build.iterdir()) == ["nb.failed.ipynb"]
+    assert sorted(p.name for p in build.iterdir()) == ["nb.failed.ipynb", "nb.progress.log"]
     assert "planted failure" in (build / "nb.failed.ipynb").read_text()

@@ -4,7 +4,9 @@
 the profile's parameters ``notebooks/params/<name>.<profile>.yaml`` plus ``output_dir`` (where its figures
 and tables go) and ``profile``, into ``<build>/<name>.tmp.ipynb``. On success that is moved to
 ``<build>/<name>.ipynb``; on an error to ``<build>/<name>.failed.ipynb`` (the cell that failed is in it), so an
-executed notebook is never half-written under its real name.
+executed notebook is never half-written under its real name. While it runs, everything its cells write to
+stderr (the progress bars of long work, warnings) also streams into ``<build>/<name>.progress.log``, so a run of
+hours can be followed with ``tail -f`` (papermill itself shows nothing until the notebook ends).
 
 Command line (what the ``run_notebook`` macro of ``mk/notebooks.mk`` calls)::
 
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from ..env import REPO_ROOT
 
-__all__ = ["commands", "execute", "main"]
+__all__ = ["commands", "progress_log", "execute", "main"]
 
 
 def _rel(p: Path, root: Path) -> str:
@@ -35,6 +37,11 @@ def _rel(p: Path, root: Path) -> str:
         return str(p)
 
 
+def progress_log(name: str, nb_build: Path) -> Path:
+    """Where a running notebook's stderr (progress bars, warnings) streams."""
+    return Path(nb_build) / f"{name}.progress.log"
+
+
 def commands(name: str, figdir: Path, nb_build: Path, *, profile: str = "default",
              root: Path = REPO_ROOT) -> list[list[str]]:
     """The two commands (jupytext, papermill) that execute ``notebooks/<name>.py`` into ``nb_build``."""
@@ -42,7 +49,8 @@ def commands(name: str, figdir: Path, nb_build: Path, *, profile: str = "default
     src, tmp = Path(nb_build) / f"{name}.src.ipynb", Path(nb_build) / f"{name}.tmp.ipynb"
     return [[py, "-m", "jupytext", "--quiet", "--to", "ipynb", "--output", str(src), f"notebooks/{name}.py"],
             [py, "-m", "papermill", "--no-progress-bar", "--log-level", "WARNING", "-k", "python3",
-             "--cwd", str(root), "-f", f"notebooks/params/{name}.{profile}.yaml",
+             "--cwd", str(root), "--stderr-file", str(progress_log(name, nb_build)),
+             "-f", f"notebooks/params/{name}.{profile}.yaml",
              "-p", "output_dir", _rel(figdir, root), "-p", "profile", profile, str(src), str(tmp)]]
 
 
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[notebook] {a.name}: no notebooks/{a.name}.py or no parameter file {_rel(params, REPO_ROOT)}; "
               f"the notebooks are listed by `make help`", file=sys.stderr)
         return 2
+    print(f"[notebook] {a.name}: its progress streams into {progress_log(a.name, build)} (tail -f)", flush=True)
     ok, sec, _ = execute(a.name, Path(a.figdir), build, profile=a.profile)
     if not ok:
         print(f"[notebook] {a.name} FAILED: see {build / f'{a.name}.failed.ipynb'}", file=sys.stderr)
