@@ -162,3 +162,20 @@ def test_a_long_study_renders_pending_until_its_outputs_land_then_its_table_and_
     assert "| GFWSVD | 123.4 |" in done and "PTB perplexity at 10 %." in done
     assert "* The ordering **does not hold**." in done and "Not yet run" not in done
     assert readme.check(done, tmp_path) == [] and readme.check(pending, tmp_path) != []
+
+
+def test_the_decoder_headline_ranks_gfwsvd_by_ptb_in_the_best_allocation_block(tmp_path):
+    """The headline reads the summary's rows: per ratio GFWSVD's place by PTB perplexity among the methods of
+    the "best allocation here" block (the paper block is ignored), and who is ahead of it."""
+    from fisherkron.experiments import figures
+    rows = [{"block": "best", "target": 0.2, "method": m, "ppl_ptb": p}
+            for m, p in (("gfwsvd", 300.0), ("kfac_svd", 200.0), ("svd_llm", 400.0))]
+    rows += [{"block": "paper", "target": 0.2, "method": "asvd", "ppl_ptb": 100.0},
+             {"block": "best", "target": 0.3, "method": "gfwsvd", "ppl_ptb": 500.0},
+             {"block": "best", "target": 0.3, "method": "svd_llm", "ppl_ptb": 600.0}]
+    figures.write_provenance(tmp_path, "tab_x_summary", figures.provenance(
+        "tab_x_summary", {}, extra={"rows": rows, "verdict": {"dense": {"ppl_ptb": 50.0}}}))
+    text = readme.renderers()["decoder-headline"](readme.Outputs(tmp_path), "tab_x")
+    assert "is not ahead" in text and "first by PTB perplexity at 1 of 2 ratios" in text
+    assert "20 %: GFWSVD 300 (6.0× dense), second of 3; ahead of it: KFAC-SVD 200." in text
+    assert "30 %: GFWSVD 500 (10.0× dense), first of 2." in text and "ASVD" not in text

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .formats import cpu, secs
+from .formats import cpu, method_name, num, pct, perplexity, secs
 
 if TYPE_CHECKING:
     from . import Outputs
@@ -65,4 +65,42 @@ def study_verdicts(out: Outputs, notebook: str) -> str:
     return "\n".join(lines) if lines else f"*`{summary}` records no verdicts.*"
 
 
-BLOCKS = {"study-table": study_table, "study-verdicts": study_verdicts}
+def decoder_headline(out: Outputs, notebook: str) -> str:
+    """Where GFWSVD stands in a decoder table: per ratio, its place among the methods by PTB perplexity in the
+    "best allocation here" block (each method at its best allocation), against the best method and the dense
+    model, from the summary record's rows."""
+    summary = f"{notebook}_summary"
+    if not _committed(out, summary, ".provenance.json"):
+        return _pending(notebook)
+    rows = [r for r in out.extra(summary).get("rows", []) if r.get("block") == "best" and r.get("ppl_ptb")]
+    dense = out.extra(summary)["verdict"]["dense"]["ppl_ptb"]
+    lines, places = [], []
+    for t in sorted({r["target"] for r in rows}):
+        ranked = sorted((r for r in rows if r["target"] == t), key=lambda r: r["ppl_ptb"])
+        g = next((i for i, r in enumerate(ranked) if r["method"] == "gfwsvd"), None)
+        if g is None:
+            continue
+        mine = ranked[g]
+        places.append(g + 1)
+        ahead = ", ".join(f"{_name(r['method'])} {perplexity(r['ppl_ptb'])}" for r in ranked[:g])
+        lines.append(f"  - {pct(t)}: GFWSVD {perplexity(mine['ppl_ptb'])} "
+                     f"({num(mine['ppl_ptb'] / dense, 1)}× dense), {_ordinal(g + 1)} of {len(ranked)}"
+                     + (f"; ahead of it: {ahead}" if g else "") + ".")
+    if not places:
+        return f"*`{summary}` has no GFWSVD row in its best-allocation block.*"
+    first = sum(p == 1 for p in places)
+    head = (f"* **GFWSVD {'leads' if first == len(places) else 'is not ahead'} at this scale**: "
+            f"first by PTB perplexity at {first} of {len(places)} ratios, each method at its best allocation "
+            f"(dense model {num(dense, 1)}; KFAC-SVD is not in the paper):")
+    return "\n".join([head, *lines])
+
+
+def _name(method: str) -> str:
+    return {"basis_sharing": "Basis Sharing"}.get(method) or method_name(method)
+
+
+def _ordinal(i: int) -> str:
+    return {1: "first", 2: "second", 3: "third", 4: "fourth", 5: "fifth", 6: "sixth", 7: "seventh"}.get(i, f"#{i}")
+
+
+BLOCKS = {"study-table": study_table, "study-verdicts": study_verdicts, "decoder-headline": decoder_headline}
