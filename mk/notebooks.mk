@@ -53,8 +53,8 @@ nb_executed = $(if $(nb_commits),$(NB_EXECUTED)/$1.ipynb,$(NB_BUILD)/$1.ipynb)
 # fisherkron.experiments.execute (jupytext, then papermill with the profile's parameters; the one
 # definition of how, which `make verify` runs too): the executed .ipynb is written under a temporary
 # name and moved into place, a failed run leaves build/.../NAME.failed.ipynb. Every declared output
-# must exist afterwards. The notebook's stderr (progress bars) streams into $(NB_BUILD)/NAME.progress.log. With COMMITTED (notebooks/executed/NAME.ipynb, see above) the stripped
-# committed copy is written there too.
+# must exist afterwards. The notebook's stderr (progress bars) streams into $(NB_BUILD)/NAME.progress.log.
+# With COMMITTED (notebooks/executed/NAME.ipynb, see above) the stripped committed copy is written there too.
 define run_notebook
 	@echo "[notebook] $1 (PROFILE=$(PROFILE), outputs in $(FIGDIR)/)"
 	$(PY) -m fisherkron.experiments.execute $1 --profile $(PROFILE) --figdir $(FIGDIR) --build $(NB_BUILD)

@@ -26,15 +26,15 @@ from pathlib import Path
 
 from ..env import REPO_ROOT
 
-__all__ = ["commands", "progress_log", "execute", "main"]
+__all__ = ["rel", "commands", "progress_log", "execute", "main"]
 
 
-def _rel(p: Path, root: Path) -> str:
-    p = Path(p)
+def rel(p: Path, root: Path) -> str:
+    """``p`` relative to ``root`` when it lies inside it, else absolute (how commands and messages name paths)."""
     try:
-        return str(p.resolve().relative_to(Path(root).resolve()))
+        return str(Path(p).resolve().relative_to(Path(root).resolve()))
     except ValueError:
-        return str(p)
+        return str(Path(p).resolve())
 
 
 def progress_log(name: str, nb_build: Path) -> Path:
@@ -51,7 +51,7 @@ def commands(name: str, figdir: Path, nb_build: Path, *, profile: str = "default
             [py, "-m", "papermill", "--no-progress-bar", "--log-level", "WARNING", "-k", "python3",
              "--cwd", str(root), "--stderr-file", str(progress_log(name, nb_build)),
              "-f", f"notebooks/params/{name}.{profile}.yaml",
-             "-p", "output_dir", _rel(figdir, root), "-p", "profile", profile, str(src), str(tmp)]]
+             "-p", "output_dir", rel(figdir, root), "-p", "profile", profile, str(src), str(tmp)]]
 
 
 def execute(name: str, figdir: Path, nb_build: Path, *, profile: str = "default", root: Path = REPO_ROOT,
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     build = Path(a.build or f"build/notebooks/{a.profile}")
     params = REPO_ROOT / "notebooks" / "params" / f"{a.name}.{a.profile}.yaml"
     if not (REPO_ROOT / "notebooks" / f"{a.name}.py").is_file() or not params.is_file():
-        print(f"[notebook] {a.name}: no notebooks/{a.name}.py or no parameter file {_rel(params, REPO_ROOT)}; "
+        print(f"[notebook] {a.name}: no notebooks/{a.name}.py or no parameter file {rel(params, REPO_ROOT)}; "
               f"the notebooks are listed by `make help`", file=sys.stderr)
         return 2
     print(f"[notebook] {a.name}: its progress streams into {progress_log(a.name, build)} (tail -f)", flush=True)

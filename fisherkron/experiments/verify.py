@@ -45,6 +45,7 @@ from typing import Any
 from ..env import REPO_ROOT
 from . import tolerance as T
 from .execute import execute
+from .execute import rel as _rel
 
 __all__ = ["Failure", "TableReport", "compare_frames", "compare_table", "compare_notebook", "tables_of",
            "declared_tolerances", "main"]
@@ -291,13 +292,6 @@ def compare_notebook(notebook: str, ref_dir: Path, new_dir: Path) -> list[TableR
 
 
 # -- running ---------------------------------------------------------------------------------
-def _rel(p: Path, root: Path) -> str:
-    try:
-        return str(Path(p).resolve().relative_to(root))
-    except ValueError:
-        return str(Path(p).resolve())
-
-
 def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
     env = dict(os.environ)
     if mode == "shared":

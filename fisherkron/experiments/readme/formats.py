@@ -112,5 +112,6 @@ def cpu(out: Outputs, name: str) -> str:
 def method_name(key: str) -> str:
     """The display name of a method key (``svd_llm`` -> ``SVD-LLM``), as the study tables write it."""
     from ..glue_summary import NAMES
-    return NAMES.get(key, key)
+    from ..llm_summary import NAMES as DECODER_NAMES  # the decoder-only methods (Basis Sharing, the ablation's)
+    return NAMES.get(key) or DECODER_NAMES.get(key, key)
 

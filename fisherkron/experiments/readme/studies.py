@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .formats import cpu, method_name, num, pct, perplexity, secs
+from .formats import ORDINALS, cpu, method_name, num, pct, perplexity, secs
 
 if TYPE_CHECKING:
     from . import Outputs
@@ -80,11 +80,11 @@ def decoder_headline(out: Outputs, notebook: str) -> str:
         g = next((i for i, r in enumerate(ranked) if r["method"] == "gfwsvd"), None)
         if g is None:
             continue
-        mine = ranked[g]
+        mine, place = ranked[g], ORDINALS[g] if g < len(ORDINALS) else f"#{g + 1}"
         places.append(g + 1)
-        ahead = ", ".join(f"{_name(r['method'])} {perplexity(r['ppl_ptb'])}" for r in ranked[:g])
+        ahead = ", ".join(f"{method_name(r['method'])} {perplexity(r['ppl_ptb'])}" for r in ranked[:g])
         lines.append(f"  - {pct(t)}: GFWSVD {perplexity(mine['ppl_ptb'])} "
-                     f"({num(mine['ppl_ptb'] / dense, 1)}× dense), {_ordinal(g + 1)} of {len(ranked)}"
+                     f"({num(mine['ppl_ptb'] / dense, 1)}× dense), {place} of {len(ranked)}"
                      + (f"; ahead of it: {ahead}" if g else "") + ".")
     if not places:
         return f"*`{summary}` has no GFWSVD row in its best-allocation block.*"
@@ -93,14 +93,6 @@ def decoder_headline(out: Outputs, notebook: str) -> str:
             f"first by PTB perplexity at {first} of {len(places)} ratios, each method at its best allocation "
             f"(dense model {num(dense, 1)}; KFAC-SVD is not in the paper):")
     return "\n".join([head, *lines])
-
-
-def _name(method: str) -> str:
-    return {"basis_sharing": "Basis Sharing"}.get(method) or method_name(method)
-
-
-def _ordinal(i: int) -> str:
-    return {1: "first", 2: "second", 3: "third", 4: "fourth", 5: "fifth", 6: "sixth", 7: "seventh"}.get(i, f"#{i}")
 
 
 BLOCKS = {"study-table": study_table, "study-verdicts": study_verdicts, "decoder-headline": decoder_headline}
