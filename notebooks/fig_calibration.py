@@ -70,6 +70,7 @@ warm_layers = r"model\.layers\.(0|15|29)\..*"  # layers of the warm-start compar
 encoding_k = 16  # batches of the 16-bit check; paper: 16
 encoding_layers = r"model\.layers\.(0|29)\..*"  # paper: r"model\.layers\.(0|31)\..*"
 mff_tol = 1e-4  # paper: 1e-4
+isolate_costs = True  # each cost measurement in a fresh process (its own peak memory); smoke: False
 target_minutes = 15.0  # issue target at end2end_k
 target_ram_gb = 12.0
 target_disk_gb = 8.0
@@ -90,9 +91,9 @@ params = {k_: v for k_, v in dict(globals()).items()
           if k_ in ("profile", "model_name", "batch_size", "seq_len", "calib_docs", "layers", "eval_tokens",
                     "eval_seq_len", "ks", "cost_only_ks", "grad_dtype", "methods", "ratios", "granularities",
                     "granularity_k", "end2end_k", "end2end_ratio", "warm_layers", "encoding_k", "encoding_layers",
-                    "mff_tol")}
+                    "mff_tol", "isolate_costs")}
 study = cs.prepare(model_name, batch_size=batch_size, seq_len=seq_len, calib_docs=calib_docs, layers=layers,
-                   eval_tokens=eval_tokens or 10**9, eval_seq_len=eval_seq_len, mff_tol=mff_tol)
+                   eval_tokens=eval_tokens or 10**9, eval_seq_len=eval_seq_len, mff_tol=mff_tol, isolate=isolate_costs)
 print(f"uncompressed: PTB {study.base['ppl_ptb']:.2f}, Wikipedia {study.base['ppl_wiki']:.2f}; "
       f"records in {study.results_path}")
 

@@ -45,3 +45,20 @@ def test_gradient_count_is_the_tokens_for_token_granularity():
     assert cs.gradient_count(s) == 4
     s.granularity = "token"  # stats.k counts the batches; every kept token is one gradient
     assert cs.gradient_count(s) == 40
+
+
+def test_a_measurement_in_the_notebooks_process_says_so_and_is_never_served_to_an_isolated_study(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cs, "child", lambda spec: calls.append(("here", spec["k"])) or {"peak_gb": 1.0})
+    monkeypatch.setattr(cs, "_run_child", lambda spec: calls.append(("child", spec["k"])) or {"peak_gb": 2.0})
+
+    def study(isolate):
+        return cs.Study("tiny", None, None, {"mff_tol": 1e-3}, {}, 8, tmp_path / "records.json", isolate=isolate)
+
+    here = cs.measure(study(False), 2)
+    assert here == {"peak_gb": 1.0, "isolated": False} and calls == [("here", 2)]
+    # the isolated study measures again in a fresh process: the in-process record is keyed apart
+    assert cs.measure(study(True), 2) == {"peak_gb": 2.0} and calls[-1] == ("child", 2)
+    # and each is served from the cache afterwards
+    assert cs.measure(study(True), 2) == {"peak_gb": 2.0} and cs.measure(study(False), 2)["isolated"] is False
+    assert len(calls) == 2

@@ -12,7 +12,10 @@ after every record, so a study can be stopped and resumed):
   ``T`` token gradients). The calibration and the factors land in the normal caches, so the
   quality cases below reuse them. With ``keep=False`` it runs in a temporary folder (a size
   measured only for its cost, e.g. ``k = 64``). ``mff_layers`` restricts MFF to some layers
-  (the warm-start comparison: the same layers from K-FAC and from the identity).
+  (the warm-start comparison: the same layers from K-FAC and from the identity). A study
+  prepared with ``isolate=False`` measures in its own process instead (the smoke run: it saves
+  a process start and imports per setting, and its peak memory is then the notebook's, which the
+  record says with ``"isolated": False``).
 * **quality** (:func:`run_case`): a copy of the model compressed by one method at one
   whole-model ratio with the ``fisher`` allocation (each method's ranks minimise its own
   Theorem-1 error curves, :mod:`fisherkron.hf.allocation`), scored by perplexity on the
@@ -62,6 +65,7 @@ class Study:
     eval_seq_len: int
     results_path: Path
     base: dict[str, float] = field(default_factory=dict)
+    isolate: bool = True  # cost measurements in a fresh process (their own peak memory)
     _decompositions: dict = field(default_factory=dict)
 
     def decompositions_of(self, key: str, method: str):
@@ -76,8 +80,10 @@ class Study:
 
 def prepare(model_name: str = "smollm2", *, batch_size: int = 2, seq_len: int = 256, seed: int = 0,
             calib_docs: int = 500, layers=None, eval_tokens: int = 4096, eval_seq_len: int = 512,
-            mff_tol: float = 1e-4) -> Study:
-    """Load the model, tokenise the evaluation texts (PTB test, Wikipedia) and score the dense model (cached)."""
+            mff_tol: float = 1e-4, isolate: bool = True) -> Study:
+    """Load the model, tokenise the evaluation texts (PTB test, Wikipedia) and score the dense model (cached).
+
+    ``isolate=False`` runs the cost measurements in this process (see the module docstring)."""
     from .. import hf
     from ..hf.evaluate import _token_ids
 
@@ -89,7 +95,7 @@ def prepare(model_name: str = "smollm2", *, batch_size: int = 2, seq_len: int = 
     cfg = [CODE_VERSION, model_name, hf.calibration.model_fingerprint(model), protocol, eval_tokens, eval_seq_len]
     key = hashlib.blake2b(json.dumps(cfg, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
     study = Study(model_name, model, tok, protocol, eval_ids, eval_seq_len,
-                  data_root() / "cache" / "studies" / f"calibration-{key}.json")
+                  data_root() / "cache" / "studies" / f"calibration-{key}.json", isolate=isolate)
     study.base = _cached(study, "dense", lambda: _score(study, model))
     return study
 
@@ -226,22 +232,29 @@ def _run_child(spec: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _run_here(spec: dict) -> dict:
+    return {**child(spec), "isolated": False}
+
+
 def measure(study: Study, k: int, *, granularity: str = "batch", grad_dtype: str = "bfloat16",
             methods=("gfwsvd", "kfac_svd", "svd_llm"), stats=None, keep: bool = True, mff: bool = True,
             mff_layers: str | None = None, inits=("kfac",), compress_ratio: float | None = None,
             tag: str = "") -> dict:
-    """The cost record of one calibration setting, measured in a fresh process (cached; see the module doc)."""
+    """The cost record of one calibration setting, measured in a fresh process unless the study says not to
+    (cached; see the module doc)."""
     setting = setting_name(k, granularity, grad_dtype)
     spec = {"model_name": study.model_name, "protocol": study.protocol, "k": k, "granularity": granularity,
             "grad_dtype": grad_dtype, "stats": tuple(stats) if stats else _stats_for(methods), "mff": mff,
             "mff_layers": mff_layers, "inits": list(inits), "compress_ratio": compress_ratio, "setting": setting}
-    case = "cost|" + json.dumps({**spec, "keep": keep, "tag": tag}, sort_keys=True, default=str)
+    where = {} if study.isolate else {"isolated": False}  # an isolated record's key is unchanged
+    case = "cost|" + json.dumps({**spec, "keep": keep, "tag": tag, **where}, sort_keys=True, default=str)
+    run = _run_child if study.isolate else _run_here
 
     def compute() -> dict:
         if keep:
-            return _run_child(spec)
+            return run(spec)
         with tempfile.TemporaryDirectory(prefix="fisherkron-cost-", dir=data_root() / "cache") as tmp:
-            return _run_child({**spec, "cache_dir": tmp})
+            return run({**spec, "cache_dir": tmp})
 
     return _cached(study, case, compute)
 
