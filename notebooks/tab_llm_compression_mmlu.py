@@ -62,6 +62,7 @@ chance = 0.25  # four choices
 collapse_multiple = 10.0
 
 # %%
+import math
 import time
 
 import matplotlib.pyplot as plt
@@ -158,21 +159,28 @@ verdict.update(at_chance=at_chance, dense_at_chance=dense_chance)
 lines.append(f"* MMLU cannot tell {len(at_chance)} of {len(scored)} compressed rows from chance (within two standard "
              f"errors of {chance}); the dense model ({dense['mmlu_average']:.3f} ± {dense['mmlu_average_se']:.3f}) "
              f"{'cannot' if dense_chance else 'can'} be told from chance.")
-gaps = {}
+# Does the lead grow as the ratio decreases? The change of the lead between the smallest and the largest ratio,
+# with the standard error of a difference of two independent gaps (their models differ; they share the questions).
+gaps, lead_change = {}, {}
 for m in ("fwsvd", "asvd"):
-    g = [x["acc_diff"] for x in verdict["gfwsvd_beats_paper"] if x["other"] == m and "acc_diff" in x]
+    c = [x for x in verdict["gfwsvd_beats_paper"] if x["other"] == m and "acc_diff" in x]
+    g = [x["acc_diff"] for x in c]
     gaps[m] = g
     if len(g) >= 2:
-        grows = g[0] > g[-1]
+        change, se = g[0] - g[-1], math.hypot(c[0]["acc_se"], c[-1]["acc_se"])
+        told = abs(change) > 2 * se
+        lead_change[m] = {"change": change, "se": se, "beyond_2se": bool(told)}
         lines.append(f"* GFWSVD's MMLU lead over {ls.NAMES[m]} at {100 * ratios[0]:g} % ({g[0]:+.3f}) against "
                      f"{100 * ratios[-1]:g} % ({g[-1]:+.3f}): the paper says it grows as the ratio decreases; here it "
-                     f"{'does' if grows else 'does not'}.")
+                     f"{'does' if change > 0 else 'does not'}, by {change:+.3f} ± {se:.3f}, "
+                     + ("beyond two standard errors." if told else
+                        "within two standard errors: at this sample MMLU cannot tell whether it grows."))
 coll = ls.collapsed(df, dense, collapse_multiple)
 lines.append(f"* Collapsed rows (a perplexity above {collapse_multiple:g}x the dense model's): {len(coll)} of {len(df)}"
              + (": " + ", ".join(sorted({f"{ls.NAMES[c['method']]} at {100 * c['target']:g} %" for c in coll}))
                 if coll else "") + ".")
-verdict.update(collapsed=coll, lead_over=gaps, dense=dense, selections=sel.to_dict("records"), timings=study.timings,
-               cached=study.cached)
+verdict.update(collapsed=coll, lead_over=gaps, lead_change=lead_change, dense=dense, selections=sel.to_dict("records"),
+               timings=study.timings, cached=study.cached)
 display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "tab_llm_compression_mmlu_summary",
                          figures.provenance("tab_llm_compression_mmlu_summary", params, started=started, notebook=NB,
