@@ -153,7 +153,10 @@ for t in transposed_ratios:
                  f"{good['ppl_ptb']:.4g} ({ratio_x[t]['ptb']:.2f}x) and Wikipedia {bad['ppl_wiki']:.4g} against "
                  f"{good['ppl_wiki']:.4g} ({ratio_x[t]['wiki']:.2f}x); held-out loss "
                  f"{ratio_x[t]['loss_increase']:+.4f} nats.")
-verdict.update(transposed=ratio_x, dense=dense, timings=study.timings, cached=study.cached)
+first_cost = lc.first_seconds(study.first)
+lines.append(ls.cost_line(first_cost, study.timings))
+verdict.update(transposed=ratio_x, dense=dense, timings=study.timings, first_seconds=first_cost,
+               cached=study.cached)
 display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "tab_ablation_diag_summary",
                          figures.provenance("tab_ablation_diag_summary", params, started=started, notebook=NB,

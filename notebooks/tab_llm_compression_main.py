@@ -243,9 +243,12 @@ lines.append(f"* Out of reach of ASVD's candidates (at most {reach:.1%} of this 
                           for r in out.itertuples()) or "none") + ".")
 lines.append(f"* Sweep noise: {above:.0%} of the least sensitive changes stand two standard errors above the noise "
              f"at {sweep_tokens:,} tokens.")
+first_cost = lc.first_seconds(study.first)
+lines.append(ls.cost_line(first_cost, study.timings))
 verdict.update(dense=dense, sensitivity_reach=reach, sweep_noise=noise.to_dict("records"),
                selections=sel.to_dict("records"),
-               timings=study.timings, cached=study.cached, sweep_tokens=sweep_tokens, noise_above_2se=above)
+               timings=study.timings, first_seconds=first_cost, cached=study.cached, sweep_tokens=sweep_tokens,
+               noise_above_2se=above)
 display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "tab_llm_compression_main_summary",
                          figures.provenance("tab_llm_compression_main_summary", params, started=started, notebook=NB,

@@ -179,8 +179,10 @@ coll = ls.collapsed(df, dense, collapse_multiple)
 lines.append(f"* Collapsed rows (a perplexity above {collapse_multiple:g}x the dense model's): {len(coll)} of {len(df)}"
              + (": " + ", ".join(sorted({f"{ls.NAMES[c['method']]} at {100 * c['target']:g} %" for c in coll}))
                 if coll else "") + ".")
+first_cost = lc.first_seconds(study.first)
+lines.append(ls.cost_line(first_cost, study.timings))
 verdict.update(collapsed=coll, lead_over=gaps, lead_change=lead_change, dense=dense, selections=sel.to_dict("records"),
-               timings=study.timings, cached=study.cached)
+               timings=study.timings, first_seconds=first_cost, cached=study.cached)
 display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "tab_llm_compression_mmlu_summary",
                          figures.provenance("tab_llm_compression_mmlu_summary", params, started=started, notebook=NB,

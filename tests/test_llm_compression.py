@@ -407,3 +407,33 @@ def test_plain_svd_keys_the_calibration_only_where_its_allocation_reads_it():
     assert lc.case_config(allocation="sensitivity", **kw)["calibration"] is None
     for allocation in ("fisher", "calibrated", "calibrated_kl"):  # Theorem 1's curves in the calibration's Fisher
         assert lc.case_config(allocation=allocation, **kw)["calibration"] == "c"
+
+
+def test_first_measured_seconds_are_the_same_whether_scores_are_computed_or_read_back():
+    store = {}
+
+    def read(cfg):
+        return store.get(lc.case_key(cfg))
+
+    def write(cfg, result, seconds):
+        store[lc.case_key(cfg)] = {"result": result, "seconds": seconds}
+
+    def build():
+        return object(), {"compress_seconds": 2.5}
+
+    def configs(method):
+        return {k: {"method": method, "kind": k} for k in ("heldout", "ppl")}
+
+    timings, cached, first = {}, {}, {}
+    for m in ("a", "b", "a"):  # the case of method "a" is used twice: it counts once
+        lc.scored(configs(m), build, lambda model, k: {"v": 1.0}, read=read, write=write, timings=timings,
+                  cached=cached, first=first)
+    computed = lc.first_seconds(first)
+    assert computed["compress"] == pytest.approx(5.0) and set(computed) == {"compress", "heldout", "ppl"}
+    assert computed["ppl"] == pytest.approx(sum(r["seconds"] for c, r in store.items()) - computed["heldout"])
+    # a rerun reads every score back and recovers the same first-measured costs, though it computes nothing
+    timings2, cached2, first2 = {}, {}, {}
+    for m in ("a", "b"):
+        lc.scored(configs(m), build, None, read=read, write=write, timings=timings2, cached=cached2, first=first2)
+    assert timings2 == {} and cached2 == {"heldout": 2, "ppl": 2}
+    assert lc.first_seconds(first2) == pytest.approx(computed)

@@ -50,7 +50,7 @@ from .llm_summary import ZERO_SHOT, mmlu_scores, zero_shot_scores
 __all__ = ["CODE_VERSION", "STUDY_METHODS", "ALLOCATIONS", "PAPER_ALLOCATION", "ASVD_CANDIDATES", "KINDS",
            "Protocol", "Case", "Study", "check_reachable", "study_stats", "calibrate", "first_tokens", "prepare",
            "case_config", "case_key", "best_allocation", "run_table", "token_losses", "difference_noise",
-           "sweep_noise", "transposed_decomposition", "compress_transposed"]
+           "sweep_noise", "transposed_decomposition", "compress_transposed", "scored", "first_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -335,14 +335,22 @@ def write_score(folder, config: dict, result: dict, seconds: float) -> None:
                  lambda t: Path(t).write_text(json.dumps(rec, indent=1, allow_nan=False)))
 
 
-def scored(configs: dict, build, evaluate, *, read, write, timings: dict, cached: dict) -> dict:
+def scored(configs: dict, build, evaluate, *, read, write, timings: dict, cached: dict,
+           first: dict | None = None) -> dict:
     """``{kind: result}`` of one model under ``configs`` (``{kind: its case_config}``): each kind read back with
     ``read(config)`` (a record with ``"result"``, or ``None``); for the missing ones the model is built once
     (``build() -> (model, info)``), each missing kind evaluated (``evaluate(model, kind)``) and kept with
     ``write(config, result, seconds)`` as soon as it exists. The ``heldout`` result also holds ``info``. A fresh
     result is returned as a rerun reads it back (non-finite floats as ``None``). ``timings`` adds the seconds
     of work done (``compress`` from ``info["compress_seconds"]``, and each kind), ``cached`` counts the kinds
-    read back."""
+    read back. ``first`` (optional) receives ``{(kind, case key): seconds}`` as first measured, whether computed
+    now or read back with their records (a score used twice counts once): what the scores cost from empty
+    caches, :func:`first_seconds` sums it by kind."""
+    first = {} if first is None else first
+
+    def spent(kind: str, seconds, of: str | None = None) -> None:
+        first[(kind, case_key(configs[of or kind]))] = float(seconds or 0.0)
+
     out, todo = {}, []
     for k, cfg in configs.items():
         got = read(cfg)
@@ -351,10 +359,15 @@ def scored(configs: dict, build, evaluate, *, read, write, timings: dict, cached
         else:
             out[k] = got["result"]
             cached[k] = cached.get(k, 0) + 1
+            spent(k, got.get("seconds"))
+            if k == "heldout":
+                spent("compress", (got["result"] or {}).get("compress_seconds"), of="heldout")
     if not todo:
         return out
     model, info = build()
     timings["compress"] = timings.get("compress", 0.0) + info.get("compress_seconds", 0.0)
+    if "heldout" in todo:  # the compression's seconds are kept with the heldout record
+        spent("compress", info.get("compress_seconds"), of="heldout")
     for k in todo:
         t = time.perf_counter()
         res = evaluate(model, k)
@@ -362,9 +375,18 @@ def scored(configs: dict, build, evaluate, *, read, write, timings: dict, cached
             res = {**info, **res}
         sec = time.perf_counter() - t
         timings[k] = timings.get(k, 0.0) + sec
+        spent(k, sec)
         write(configs[k], res, sec)
         out[k] = finite_or_none(res)
     del model
+    return out
+
+
+def first_seconds(first: dict) -> dict:
+    """``{kind: seconds}`` summed over the scores of ``first`` (see :func:`scored`)."""
+    out: dict = {}
+    for (kind, _), sec in first.items():
+        out[kind] = out.get(kind, 0.0) + sec
     return out
 
 
@@ -388,6 +410,7 @@ class Study:
     decompositions: dict = field(default_factory=dict)  # method -> Decompositions (one method kept)
     timings: dict = field(default_factory=dict)  # seconds of computed (not cached) work, by kind
     cached: dict = field(default_factory=dict)  # scores read from the cache, by kind
+    first: dict = field(default_factory=dict)  # {(kind, case key): seconds as first measured} (see scored)
 
     @property
     def mff_options(self) -> dict:
@@ -537,7 +560,8 @@ class Study:
         compression's ratios and ranks and is always made first."""
         kinds = ["heldout"] + [k for k in kinds if k != "heldout"]
         return scored({k: self.config(case, k) for k in kinds}, lambda: self.build(case, progress=progress),
-                      self.evaluate, read=self._read, write=self._write, timings=self.timings, cached=self.cached)
+                      self.evaluate, read=self._read, write=self._write, timings=self.timings, cached=self.cached,
+                      first=self.first)
 
     def max_sensitivity_removal(self) -> int:
         """Parameters removed with every layer at the sweep's largest candidate: the most the sensitivity

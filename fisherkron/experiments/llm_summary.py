@@ -30,7 +30,7 @@ from ..core.conventions import FisherkronError
 __all__ = ["NAMES", "ZERO_SHOT", "TASK_NAMES", "METRIC", "MMLU_CATEGORIES", "CATEGORY_NAMES", "CHANCE_MMLU",
            "pooled_accuracy", "zero_shot_scores", "mmlu_categories", "mmlu_scores", "flatten", "fmt_acc", "fmt_ppl",
            "main_table", "mmlu_table", "ablation_table", "transposed_table", "latex", "save", "gap", "compare",
-           "degradation", "ablation_order", "collapsed", "chance_level"]
+           "degradation", "ablation_order", "collapsed", "chance_level", "cost_line"]
 
 NAMES = {"dense": "Full model", "fwsvd": "FWSVD", "asvd": "ASVD", "svd_llm": "SVD-LLM",
          "basis_sharing": "Basis Sharing", "gfwsvd": "GFWSVD", "kfac_svd": "KFAC-SVD (not in the paper)",
@@ -456,3 +456,19 @@ def collapsed(rows: pd.DataFrame, dense: dict, multiple: float) -> list[dict]:
 def chance_level(acc: float, se: float, chance: float = CHANCE_MMLU, z: float = 2.0) -> bool:
     """True when an accuracy cannot be told from ``chance``: within ``z`` standard errors of it."""
     return bool(abs(acc - chance) <= z * se) if math.isfinite(se) else True
+
+
+#: the kinds of work a decoder notebook's scores cost, as its cost line names them
+COST_NAMES = {"compress": "compression", "heldout": "held-out loss", "ppl": "perplexity", "zeroshot": "zero-shot",
+              "mmlu": "MMLU"}
+
+
+def cost_line(first: dict[str, float], computed: dict[str, float]) -> str:
+    """The verdict line of a notebook's scoring cost: ``first`` the seconds of every score it used as they were
+    first measured, by kind (:func:`fisherkron.experiments.llm_compression.first_seconds`), ``computed`` the
+    seconds this run spent (``Study.timings``)."""
+    total = sum(first.values())
+    parts = ", ".join(f"{COST_NAMES.get(k, k)} {v / 60:.1f}" for k, v in sorted(first.items(), key=lambda kv: -kv[1]))
+    return (f"* Scoring cost from empty score caches: {total / 60:.0f} min ({parts} min; each score's seconds as first "
+            f"measured, on the machine and load of that run; calibration, sweeps and selection not included). "
+            f"This run computed {sum(computed.values()) / 60:.1f} min of it.")
