@@ -62,7 +62,6 @@ chance = 0.25  # four choices
 collapse_multiple = 10.0
 
 # %%
-import math
 import time
 
 import matplotlib.pyplot as plt
@@ -160,16 +159,16 @@ lines.append(f"* MMLU cannot tell {len(at_chance)} of {len(scored)} compressed r
              f"errors of {chance}); the dense model ({dense['mmlu_average']:.3f} ± {dense['mmlu_average_se']:.3f}) "
              f"{'cannot' if dense_chance else 'can'} be told from chance.")
 # Does the lead grow as the ratio decreases? The change of the lead between the smallest and the largest ratio,
-# with the standard error of a difference of two independent gaps (their models differ; they share the questions).
+# as ls.gap gives it for two independent gaps (their models differ; they share the questions).
 gaps, lead_change = {}, {}
 for m in ("fwsvd", "asvd"):
     c = [x for x in verdict["gfwsvd_beats_paper"] if x["other"] == m and "acc_diff" in x]
     g = [x["acc_diff"] for x in c]
     gaps[m] = g
     if len(g) >= 2:
-        change, se = g[0] - g[-1], math.hypot(c[0]["acc_se"], c[-1]["acc_se"])
-        told = abs(change) > 2 * se
-        lead_change[m] = {"change": change, "se": se, "beyond_2se": bool(told)}
+        d = ls.gap(c[0]["acc_diff"], c[0]["acc_se"], c[-1]["acc_diff"], c[-1]["acc_se"])
+        change, se, told = d["diff"], d["se"], d["beyond"]
+        lead_change[m] = {"change": change, "se": se, "beyond_2se": told}
         lines.append(f"* GFWSVD's MMLU lead over {ls.NAMES[m]} at {100 * ratios[0]:g} % ({g[0]:+.3f}) against "
                      f"{100 * ratios[-1]:g} % ({g[-1]:+.3f}): the paper says it grows as the ratio decreases; here it "
                      f"{'does' if change > 0 else 'does not'}, by {change:+.3f} ± {se:.3f}, "
