@@ -179,3 +179,25 @@ def test_a_rerun_passes_and_a_perturbed_method_fails(tmp_path):
     assert bad.status == "FAIL" and bad.source == "provenance"
     assert {(f.column, f.label.split(",")[0]) for f in bad.failures} == {("fisher error", "gfwsvd")}
     assert len(bad.failures) == 3 and bad.worst > 1
+
+
+def test_data_modes_link_only_what_they_say(tmp_path, monkeypatch):
+    """``fresh`` empties the scratch caches and links only the dequantised model; ``statistics`` also links
+    the calibration statistics and sweeps (never the score caches); ``scratch`` keeps what the last run left."""
+    data = tmp_path / "data"
+    for sub in ("models", "hf_home", "cache/calibration", "cache/allocation", "cache/lm_eval_tasks", "cache/studies"):
+        (data / sub).mkdir(parents=True)
+    monkeypatch.setenv("FISHERKRON_DATA", str(data))
+    scratch = tmp_path / "scratch"
+    env, what = verify._data_env("statistics", scratch)
+    sd = Path(env["FISHERKRON_DATA"])
+    assert "every score recomputed" in what
+    assert all((sd / s).is_symlink() for s in ("models",) + verify.STATISTICS_CACHES)
+    assert not (sd / "cache" / "studies").exists()
+    (sd / "cache" / "studies").mkdir()  # a score the run wrote
+    env, _ = verify._data_env("scratch", scratch)
+    assert (sd / "cache" / "studies").is_dir()
+    env, what = verify._data_env("fresh", scratch)
+    assert what.startswith("empty caches")
+    assert (sd / "models").is_symlink() and not (sd / "cache").exists()
+    assert (data / "cache" / "calibration").is_dir()  # removing the scratch links never touched data/

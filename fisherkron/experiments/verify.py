@@ -8,7 +8,9 @@ Issue 24 ("a reproduction you can check"). For each notebook the driver
    the committed executed notebooks are never written. With ``--data fresh`` (the default) the
    notebook also gets empty caches (``FISHERKRON_DATA=build/verify/data``; only the dequantised
    SmolLM2 folder ``data/models`` is linked in, it is a conversion of a packaged file, not a
-   result), so nothing in ``data/cache`` is read or written;
+   result), so nothing in ``data/cache`` is read or written. ``--data statistics`` links in only the
+   expensive inputs (:data:`STATISTICS_CACHES`: calibration statistics, sensitivity sweeps, task files),
+   so every compression and every score is recomputed in minutes rather than hours;
 2. compares every value of every table it wrote (``<name>.csv``) with the committed
    ``figures/<name>.csv``, column by column, within the column's tolerance
    (:mod:`fisherkron.experiments.tolerance`): the one declared in the table's provenance record
@@ -22,7 +24,7 @@ Issue 24 ("a reproduction you can check"). For each notebook the driver
 A committed table of the notebook that the run did not write, a table with other rows or
 columns, and a table the committed folder lacks are reported too (the first two fail).
 
-Command line: ``python -m fisherkron.experiments.verify [--nb NAME ...] [--data fresh|scratch|shared]
+Command line: ``python -m fisherkron.experiments.verify [--nb NAME ...] [--data fresh|scratch|statistics|shared]
 [--no-run]``; ``make verify [NB=name]`` and ``make verify-quick`` (mk/verify.mk) call it.
 :func:`compare_frames` is also what ``tests/test_determinism.py`` uses, with every non-timing
 column exact.
@@ -292,21 +294,34 @@ def compare_notebook(notebook: str, ref_dir: Path, new_dir: Path) -> list[TableR
 
 
 # -- running ---------------------------------------------------------------------------------
+#: what ``--data statistics`` links in from data/: the expensive inputs that every score is computed
+#: from (calibration statistics, ASVD's sensitivity sweeps, the packaged lm-eval task files), so that
+#: a notebook whose statistics take hours recomputes every compression and every score in minutes.
+#: A miss in these caches writes into data/; the score caches (``cache/studies``) start empty.
+STATISTICS_CACHES = ("hf_home", "cache/calibration", "cache/allocation", "cache/lm_eval_tasks")
+
+
 def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
     env = dict(os.environ)
     if mode == "shared":
         return env, "shared caches (data/)"
     data = scratch / "data"
-    if mode == "fresh" and data.exists():
+    if mode in ("fresh", "statistics") and data.exists():
         shutil.rmtree(data)
     data.mkdir(parents=True, exist_ok=True)
     from ..env import data_root
 
-    models = data_root() / "models"
-    if models.is_dir() and not (data / "models").exists():
-        (data / "models").symlink_to(models.resolve())
+    linked = ("models",) + (STATISTICS_CACHES if mode == "statistics" else ())
+    for sub in linked:
+        src = data_root() / sub
+        if src.is_dir() and not (data / sub).exists():
+            (data / sub).parent.mkdir(parents=True, exist_ok=True)
+            (data / sub).symlink_to(src.resolve())
     env["FISHERKRON_DATA"] = str(data.resolve())
-    return env, ("empty caches" if mode == "fresh" else "the scratch caches of the last run") + f" ({_rel(data, REPO_ROOT)})"
+    what = {"fresh": "empty caches",
+            "scratch": "the scratch caches of the last run",
+            "statistics": "data/'s calibration statistics, sweeps and task files linked in, every score recomputed"}[mode]
+    return env, what + f" ({_rel(data, REPO_ROOT)})"
 
 
 def _all_notebooks(root: Path, profile: str) -> list[str]:
@@ -320,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="notebook(s) to check (space- or comma-separated, repeatable; default: every notebook)")
     ap.add_argument("--ref", default="figures", help="the committed tables (default figures/)")
     ap.add_argument("--scratch", default="build/verify", help="where the runs write (default build/verify/)")
-    ap.add_argument("--data", choices=("fresh", "scratch", "shared"), default="fresh",
+    ap.add_argument("--data", choices=("fresh", "scratch", "statistics", "shared"), default="fresh",
                     help="caches: fresh = empty (default), scratch = those the last verify run left, "
+                         "statistics = data/'s calibration statistics and sweeps, every score recomputed, "
                          "shared = data/ (reads and may add cache entries)")
     ap.add_argument("--no-run", action="store_true", help="compare what the scratch folder holds; run nothing")
     ap.add_argument("--budget", type=float, default=None, help="warn when the runs take longer (seconds)")
