@@ -24,7 +24,7 @@ from typing import Any
 
 from .core.conventions import FisherkronError
 
-__all__ = ["REPO_ROOT", "data_root", "set_offline_env", "hub_offline", "OFFLINE_VARS", "offline_advice", "package_dir",
+__all__ = ["REPO_ROOT", "data_root", "models_root", "set_offline_env", "hub_offline", "OFFLINE_VARS", "offline_advice", "package_dir",
            "require", "atomic_path", "stale_temporaries", "remove_stale_temporaries", "atomic_write", "atomic_directory", "TMP_PREFIX"]
 
 #: The checkout this package was imported from (editable install) or its site-packages parent.
@@ -38,6 +38,16 @@ OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 def data_root() -> Path:
     """Folder for generated artefacts: ``$FISHERKRON_DATA`` or ``<repo>/data``."""
     return Path(os.environ.get("FISHERKRON_DATA", REPO_ROOT / "data"))
+
+
+def models_root() -> Path:
+    """Folder of converted models (the dequantised SmolLM2): ``$FISHERKRON_MODELS`` or ``data_root()/models``.
+
+    A model's folder is part of its config (``_name_or_path``), which the calibration cache keys hash, so a
+    run that should hit another data folder's calibration caches (``make verify VERIFY_DATA=statistics``) must
+    load the model from the very same path: it points ``$FISHERKRON_MODELS`` there."""
+    env = os.environ.get("FISHERKRON_MODELS")
+    return Path(env) if env else data_root() / "models"
 
 
 def set_offline_env(hub: bool = False) -> None:

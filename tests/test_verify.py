@@ -192,12 +192,28 @@ def test_data_modes_link_only_what_they_say(tmp_path, monkeypatch):
     env, what = verify._data_env("statistics", scratch)
     sd = Path(env["FISHERKRON_DATA"])
     assert "every score recomputed" in what
-    assert all((sd / s).is_symlink() for s in ("models",) + verify.STATISTICS_CACHES)
+    assert all((sd / s).is_symlink() for s in verify.STATISTICS_CACHES)
+    # the model loads from data/'s own folder: its path is in the config that the calibration keys hash
+    assert env["FISHERKRON_MODELS"] == str(data / "models") and not (sd / "models").exists()
     assert not (sd / "cache" / "studies").exists()
     (sd / "cache" / "studies").mkdir()  # a score the run wrote
     env, _ = verify._data_env("scratch", scratch)
     assert (sd / "cache" / "studies").is_dir()
     env, what = verify._data_env("fresh", scratch)
     assert what.startswith("empty caches")
-    assert (sd / "models").is_symlink() and not (sd / "cache").exists()
+    assert (sd / "models").is_symlink() and not (sd / "cache").exists() and "FISHERKRON_MODELS" not in env
     assert (data / "cache" / "calibration").is_dir()  # removing the scratch links never touched data/
+
+
+def test_the_converted_model_folder_follows_fisherkron_models(tmp_path, monkeypatch):
+    """``$FISHERKRON_MODELS`` moves the converted SmolLM2 folder (no conversion when it is there), so the statistics
+    mode loads the model from the path data/'s calibration keys were made with."""
+    from fisherkron.hf.registry import smollm2_folder
+
+    folder = tmp_path / "elsewhere" / "SmolLM2-135M-Instruct-fp32"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    monkeypatch.setenv("FISHERKRON_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("FISHERKRON_MODELS", str(folder.parent))
+    assert smollm2_folder() == folder

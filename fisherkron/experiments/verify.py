@@ -309,11 +309,15 @@ def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
     if mode in ("fresh", "statistics") and data.exists():
         shutil.rmtree(data)
     data.mkdir(parents=True, exist_ok=True)
-    from ..env import data_root
+    from ..env import data_root, models_root
 
-    linked = ("models",) + (STATISTICS_CACHES if mode == "statistics" else ())
+    models = models_root()
+    env.pop("FISHERKRON_MODELS", None)
+    if mode == "statistics":  # the model from its own path, which the calibration keys hash (env.models_root)
+        env["FISHERKRON_MODELS"] = str(models)
+    linked = STATISTICS_CACHES if mode == "statistics" else ("models",)
     for sub in linked:
-        src = data_root() / sub
+        src = models if sub == "models" else data_root() / sub
         if src.is_dir() and not (data / sub).exists():
             (data / sub).parent.mkdir(parents=True, exist_ok=True)
             (data / sub).symlink_to(src.resolve())

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..core.conventions import FisherkronError
-from ..env import (atomic_directory, data_root, hub_offline, offline_advice, package_dir, remove_stale_temporaries,
+from ..env import (atomic_directory, hub_offline, models_root, offline_advice, package_dir, remove_stale_temporaries,
                    set_offline_env)
 
 __all__ = [
@@ -106,7 +106,7 @@ def smollm2_folder(progress: bool = False) -> Path:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    out = data_root() / "models" / "SmolLM2-135M-Instruct-fp32"
+    out = models_root() / "SmolLM2-135M-Instruct-fp32"
     count, freed = remove_stale_temporaries(out.parent, out.name)  # only this conversion's
     if count:
         log.warning("removed %d temporary folder(s) of interrupted model conversions in %s (%.1f MB reclaimed)",
