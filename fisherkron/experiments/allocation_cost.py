@@ -15,7 +15,7 @@ cached by its full configuration). Each method is compressed at each whole-model
 
 :func:`cost` says what each allocation spent (model evaluations, seconds), :func:`predictions` puts each
 case's predicted loss increase (raw and calibrated curves) beside the measured one, and :func:`target`
-checks issue 22's target from the numbers.
+checks issue 22's target from the numbers; :func:`head_to_head` says which of two allocations is better.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 
 from ..core.conventions import FisherkronError
 
-__all__ = ["ALLOCATIONS", "STRATEGY_KIND", "run_grid", "cost", "predictions", "spearman", "target"]
+__all__ = ["ALLOCATIONS", "STRATEGY_KIND", "run_grid", "cost", "predictions", "spearman", "target", "head_to_head"]
 
 #: the allocations of the study, in the order of the tables and figures
 ALLOCATIONS = ("uniform", "fisher", "sensitivity", "lems", "calibrated", "calibrated_kl")
@@ -144,3 +144,31 @@ def target(rows: list[dict], methods, ratios, *, metric: str = "ppl_ptb", calibr
                 rec["shortfall"] = c[metric] / min(refs) - 1.0  # > 0: by how much it falls short
             out.setdefault(m, {})[t] = rec
     return out
+
+
+def head_to_head(rows: list[dict], a: str, b: str, methods, ratios, *, metric: str = "ppl_ptb") -> dict:
+    """Allocation ``a`` against ``b`` over every (method, ratio) that both reached: ``wins`` of each (lower
+    ``metric`` wins; equal values are ``ties``), ``pairs``, and ``geomean``, the geometric mean of ``a``'s
+    metric over ``b``'s (below 1: ``a`` is better on the whole; ``nan`` with no pair).
+
+    >>> r = [{"method": "m", "allocation": x, "target": 0.1, "ppl_ptb": p} for x, p in (("a", 10.0), ("b", 40.0))]
+    >>> head_to_head(r, "a", "b", ["m"], [0.1])
+    {'wins': {'a': 1, 'b': 0}, 'ties': 0, 'pairs': 1, 'geomean': 0.25}
+    """
+    def get(m, x, t):
+        hit = [r for r in rows if r["method"] == m and r["allocation"] == x and math.isclose(r["target"], t)]
+        return hit[0][metric] if hit else None
+
+    wins, ties, logs = {a: 0, b: 0}, 0, []
+    for m in methods:
+        for t in ratios:
+            va, vb = get(m, a, t), get(m, b, t)
+            if va is None or vb is None:
+                continue
+            logs.append(math.log(va / vb))
+            if va == vb:
+                ties += 1
+            else:
+                wins[a if va < vb else b] += 1
+    return {"wins": wins, "ties": ties, "pairs": len(logs),
+            "geomean": float(math.exp(sum(logs) / len(logs))) if logs else float("nan")}
