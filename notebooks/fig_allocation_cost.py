@@ -128,19 +128,27 @@ display(Markdown(table.to_markdown(index=False, floatfmt=".4g")))
 # %% [markdown]
 # ## Quality against cost
 # One panel per ratio: each point is one (method, allocation); further left spent fewer model evaluations,
-# lower is better. The dotted line is the dense model.
+# lower is better. The dotted line is the dense model; a point above 100x its perplexity sits on the top edge
+# with its value.
 
 # %%
 colors = {"gfwsvd": "C3", "kfac_svd": "C0", "svd_llm": "C2", "asvd": "C7"}
 markers = {"uniform": "o", "fisher": "s", "sensitivity": "^", "lems": "D", "calibrated": "*", "calibrated_kl": "P"}
+# the y range holds every point within 100x the dense model; a point beyond it (ASVD with one ratio in every layer)
+# is drawn on the top edge with its value
+top = dense["ppl_ptb"] * min(100.0, 1.3 * df["ppl_ptb_x"].max())
 fig, axes = plt.subplots(1, len(ratios), figsize=(3.2 * len(ratios), 3.8), sharey=True, squeeze=False)
 for ax, t in zip(axes[0], ratios):
     d = df[np.isclose(df.target, t)]
     for _, r in d.iterrows():
-        ax.scatter(max(r["evaluations"], 0.5), r["ppl_ptb"], color=colors.get(r["method"], "k"),
+        x, y = max(r["evaluations"], 0.5), r["ppl_ptb"]
+        ax.scatter(x, min(y, top), color=colors.get(r["method"], "k"),
                    marker=markers[r["allocation"]], s=90 if r["allocation"].startswith("calibrated") else 40,
-                   edgecolor="k", linewidth=0.4, zorder=3)
+                   edgecolor="k", linewidth=0.4, zorder=3, clip_on=False)
+        if y > top:
+            ax.annotate(f"{y:.2g}", (x, top), textcoords="offset points", xytext=(7, -3), fontsize="x-small")
     ax.axhline(dense["ppl_ptb"], color="k", ls=":", lw=1)
+    ax.set_ylim(0.8 * dense["ppl_ptb"], top)
     ax.set_xscale("log"), ax.set_yscale("log")
     ax.set_title(f"{100 * t:g} % removed")
     ax.set_xlabel("model evaluations spent\n(free allocations drawn at 0.5)")
