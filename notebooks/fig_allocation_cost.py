@@ -244,7 +244,16 @@ for t in ratios:
         b = d.loc[d["ppl_ptb"].idxmin()]
         lines.append(f"* Best at {100 * t:g} %: {b['method']} with {b['allocation']} (PTB {b['ppl_ptb']:.4g}, "
                      f"{b['ppl_ptb'] / dense['ppl_ptb']:.2f}x dense).")
-verdict.update(dense=dense, timings=study.timings, cached=study.cached)
+# what the study costs from empty caches (beyond the decoder tables' calibration and sweeps, which it shares):
+# each one-point allocation's measurements and every score, as first measured
+points = df[df["kind"] == "one point"].groupby(["method", "allocation"])["seconds"].first()
+first_cost = lc.first_seconds(study.first)
+lines.append(f"* One-point measurements: {points.sum() / 60:.0f} min for the {len(points)} (method, allocation) pairs "
+             f"that take them (as first measured); the sensitivity sweeps, shared with the decoder tables, "
+             f"{df[df['kind'] == 'sweep'].groupby('method')['seconds'].first().sum() / 60:.0f} min.")
+lines.append(ls.cost_line(first_cost, study.timings))
+verdict.update(dense=dense, timings=study.timings, cached=study.cached, first_seconds=first_cost,
+               point_seconds=float(points.sum()))
 display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "fig_allocation_cost_summary",
                          figures.provenance("fig_allocation_cost_summary", params, started=started, notebook=NB,
