@@ -57,6 +57,23 @@ def test_target_on_a_known_table():
     assert got["g"][0.3]["met"] is None  # nothing measured there: undecided, never "met"
 
 
+
+def test_head_to_head_counts_wins_and_the_geometric_mean_and_picks_the_target_variant():
+    rows = [_row("g", "calibrated", 0.1, 100.0, 200), _row("g", "calibrated_kl", 0.1, 50.0, 200),
+            _row("g", "calibrated", 0.2, 300.0, 200), _row("g", "calibrated_kl", 0.2, 300.0, 200),
+            _row("h", "calibrated", 0.1, 40.0, 200), _row("h", "calibrated_kl", 0.1, 80.0, 200),
+            _row("h", "calibrated", 0.2, 10.0, 200)]  # h at 20 %: no KL row, not a pair
+    got = ac.head_to_head(rows, "calibrated_kl", "calibrated", ["g", "h"], [0.1, 0.2])
+    assert got["wins"] == {"calibrated_kl": 1, "calibrated": 1} and got["ties"] == 1 and got["pairs"] == 3
+    assert got["geomean"] == pytest.approx((0.5 * 1.0 * 2.0) ** (1 / 3))
+    assert math.isnan(ac.head_to_head(rows, "calibrated_kl", "lems", ["g"], [0.1])["geomean"])
+    # the target reads the variant it is given
+    rows += [_row("g", "sensitivity", 0.1, 90.0, 1200), _row("g", "fisher", 0.1, 95.0, 0),
+             _row("g", "lems", 0.1, 70.0, 200)]
+    assert ac.target(rows, ["g"], [0.1], calibrated="calibrated_kl")["g"][0.1]["met"] is True
+    assert ac.target(rows, ["g"], [0.1])["g"][0.1]["met"] is False
+
+
 # ----------------------------------------------------------------------------- measured cases, end to end
 
 def _batches(k, seed, B=2, T=12):
