@@ -197,8 +197,9 @@ def test_data_modes_link_only_what_they_say(tmp_path, monkeypatch):
     assert env["FISHERKRON_MODELS"] == str(data / "models") and not (sd / "models").exists()
     assert not (sd / "cache" / "studies").exists()
     (sd / "cache" / "studies").mkdir()  # a score the run wrote
-    env, _ = verify._data_env("scratch", scratch)
-    assert (sd / "cache" / "studies").is_dir()
+    env, what = verify._data_env("scratch", scratch)  # resumes the statistics run: same links, same model path
+    assert (sd / "cache" / "studies").is_dir() and "resumed" in what
+    assert env["FISHERKRON_MODELS"] == str(data / "models") and not (sd / "models").exists()
     env, what = verify._data_env("fresh", scratch)
     assert what.startswith("empty caches")
     assert (sd / "models").is_symlink() and not (sd / "cache").exists() and "FISHERKRON_MODELS" not in env

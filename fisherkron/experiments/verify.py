@@ -313,9 +313,11 @@ def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
 
     models = models_root()
     env.pop("FISHERKRON_MODELS", None)
-    if mode == "statistics":  # the model from its own path, which the calibration keys hash (env.models_root)
+    # ``scratch`` after a ``statistics`` run resumes it as one (its calibration link is still there)
+    statistics = mode == "statistics" or (mode == "scratch" and (data / "cache" / "calibration").is_symlink())
+    if statistics:  # the model from its own path, which the calibration keys hash (env.models_root)
         env["FISHERKRON_MODELS"] = str(models)
-    linked = STATISTICS_CACHES if mode == "statistics" else ("models",)
+    linked = STATISTICS_CACHES if statistics else ("models",)
     for sub in linked:
         src = models if sub == "models" else data_root() / sub
         if src.is_dir() and not (data / sub).exists():
@@ -325,6 +327,8 @@ def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
     what = {"fresh": "empty caches",
             "scratch": "the scratch caches of the last run",
             "statistics": "data/'s calibration statistics, sweeps and task files linked in, every score recomputed"}[mode]
+    if statistics and mode == "scratch":
+        what += " (a statistics run resumed: data/'s statistics still linked)"
     return env, what + f" ({_rel(data, REPO_ROOT)})"
 
 
