@@ -114,6 +114,19 @@ def spearman(x, y) -> float:
     return float(spearmanr(x[ok], y[ok])[0])
 
 
+def find_row(rows: list[dict], method: str, allocation: str, ratio: float) -> dict | None:
+    """The first row of ``rows`` for (``method``, ``allocation``, target ``ratio``), or ``None`` where that case
+    did not run (an unreachable ratio). Target ratios compare with ``math.isclose``, so 0.1 finds 0.1000000001.
+
+    >>> find_row([{"method": "m", "allocation": "a", "target": 0.1}], "m", "a", 0.1 + 1e-12)["allocation"]
+    'a'
+    """
+    for r in rows:
+        if r["method"] == method and r["allocation"] == allocation and math.isclose(r["target"], ratio):
+            return r
+    return None
+
+
 def target(rows: list[dict], methods, ratios, *, metric: str = "ppl_ptb", calibrated: str = "calibrated",
            eval_share: float = 1 / 3) -> dict:
     """Issue 22's target, per method and ratio: the ``calibrated`` allocation's ``metric`` at most the better of
@@ -122,14 +135,10 @@ def target(rows: list[dict], methods, ratios, *, metric: str = "ppl_ptb", calibr
 
     Returns ``{method: {ratio: {"met": bool | None, "quality": ..., "cost": ..., "beats_lems": ..., numbers}}}``.
     """
-    def get(m, a, t):
-        hit = [r for r in rows if r["method"] == m and r["allocation"] == a and math.isclose(r["target"], t)]
-        return hit[0] if hit else None
-
     out: dict = {}
     for m in methods:
         for t in ratios:
-            c, s, f, le = get(m, calibrated, t), get(m, "sensitivity", t), get(m, "fisher", t), get(m, "lems", t)
+            c, s, f, le = (find_row(rows, m, a, t) for a in (calibrated, "sensitivity", "fisher", "lems"))
             rec: dict = {"calibrated": c[metric] if c else None}
             refs = [x[metric] for x in (s, f) if x is not None]
             rec["better_of_sweep_fisher"] = min(refs) if refs else None
@@ -156,8 +165,8 @@ def head_to_head(rows: list[dict], a: str, b: str, methods, ratios, *, metric: s
     {'wins': {'a': 1, 'b': 0}, 'ties': 0, 'pairs': 1, 'geomean': 0.25}
     """
     def get(m, x, t):
-        hit = [r for r in rows if r["method"] == m and r["allocation"] == x and math.isclose(r["target"], t)]
-        return hit[0][metric] if hit else None
+        row = find_row(rows, m, x, t)
+        return row[metric] if row else None
 
     wins, ties, logs = {a: 0, b: 0}, 0, []
     for m in methods:
