@@ -7,7 +7,8 @@
 #   make verify NB=fig_time_algo one notebook (or several: NB="a b")
 #   make verify-quick            the notebooks that run in minutes from empty caches (<= 20 min on 2 cores)
 #   VERIFY_DATA=fresh|scratch|statistics|shared  empty caches in build/verify/data (default) | the ones the
-#                                last verify left there | data/'s calibration statistics and sweeps linked in,
+#                                last verify left there | data/'s calibration statistics, sweeps, task files
+#                                and fine-tuned encoders linked in,
 #                                every compression and score recomputed | data/ (reads and may add entries)
 VERIFY_QUICK   := kronecker_fisher_from_scratch fig_synthetic_correlations fig_time_algo tab_throughput
 VERIFY_DATA    ?= fresh

@@ -185,7 +185,8 @@ def test_data_modes_link_only_what_they_say(tmp_path, monkeypatch):
     """``fresh`` empties the scratch caches and links only the dequantised model; ``statistics`` also links
     the calibration statistics and sweeps (never the score caches); ``scratch`` keeps what the last run left."""
     data = tmp_path / "data"
-    for sub in ("models", "hf_home", "cache/calibration", "cache/allocation", "cache/lm_eval_tasks", "cache/studies"):
+    for sub in ("models", "hf_home", "cache/calibration", "cache/allocation", "cache/lm_eval_tasks", "cache/finetune",
+                "cache/studies"):
         (data / sub).mkdir(parents=True)
     monkeypatch.setenv("FISHERKRON_DATA", str(data))
     scratch = tmp_path / "scratch"

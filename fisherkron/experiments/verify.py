@@ -295,10 +295,11 @@ def compare_notebook(notebook: str, ref_dir: Path, new_dir: Path) -> list[TableR
 
 # -- running ---------------------------------------------------------------------------------
 #: what ``--data statistics`` links in from data/: the expensive inputs that every score is computed
-#: from (calibration statistics, ASVD's sensitivity sweeps, the packaged lm-eval task files), so that
-#: a notebook whose statistics take hours recomputes every compression and every score in minutes.
-#: A miss in these caches writes into data/; the score caches (``cache/studies``) start empty.
-STATISTICS_CACHES = ("hf_home", "cache/calibration", "cache/allocation", "cache/lm_eval_tasks")
+#: from (calibration statistics, ASVD's sensitivity sweeps, the packaged lm-eval task files, and the
+#: GLUE study's fine-tuned encoders, its models before compression), so that a notebook whose inputs
+#: take hours recomputes every compression and every score in minutes. A miss in these caches writes
+#: into data/; the score caches (``cache/studies``) start empty.
+STATISTICS_CACHES = ("hf_home", "cache/calibration", "cache/allocation", "cache/lm_eval_tasks", "cache/finetune")
 
 
 def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
@@ -326,7 +327,8 @@ def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
     env["FISHERKRON_DATA"] = str(data.resolve())
     what = {"fresh": "empty caches",
             "scratch": "the scratch caches of the last run",
-            "statistics": "data/'s calibration statistics, sweeps and task files linked in, every score recomputed"}[mode]
+            "statistics": "data/'s calibration statistics, sweeps, task files and fine-tuned encoders linked in, "
+                          "every score recomputed"}[mode]
     if statistics and mode == "scratch":
         what += " (a statistics run resumed: data/'s statistics still linked)"
     return env, what + f" ({_rel(data, REPO_ROOT)})"
