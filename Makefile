@@ -94,9 +94,13 @@ clean-venv: ## remove the virtual environment
 
 # Sources by layer, the prerequisites of the paper items (mk/*.mk): every item depends on the
 # core (fisherkron/core/, the top-level modules and the figure writer); items that use the
-# Hugging Face layer add $(HF_SRC), items that use an experiment module add that module.
+# Hugging Face layer add $(HF_SRC), items that use an experiment module add that module. The
+# training modules (learned truncation, LoRA recovery) are $(HF_TRAIN_SRC), left out of $(HF_SRC):
+# only the extra-compression study calls them (the others import them through fisherkron.hf's
+# re-exports and never run them), so a change to them re-runs that study alone.
 CORE_SRC := $(sort $(wildcard fisherkron/core/*.py fisherkron/*.py)) fisherkron/experiments/figures.py
-HF_SRC   := $(sort $(wildcard fisherkron/hf/*.py fisherkron/hf/*/*.py))
+HF_TRAIN_SRC := fisherkron/hf/truncation.py fisherkron/hf/recovery.py
+HF_SRC   := $(filter-out $(HF_TRAIN_SRC),$(sort $(wildcard fisherkron/hf/*.py fisherkron/hf/*/*.py)))
 EXP      := fisherkron/experiments
 
 # mk/notebooks.mk first: it defines the `notebook` macro the other mk files call

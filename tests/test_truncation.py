@@ -63,14 +63,14 @@ def rms_norm_f64(self, x):
 # ----------------------------------------------------------------------------- the soft layer
 
 def test_soft_layer_at_half_integer_position_is_the_rank_r_factorisation():
-    """gamma = r - 1/2 gives Eq. (7)'s W_2 W_1 up to the mask's tail; a position above q gives W itself."""
+    """gamma = r - 1/2 gives Eq. (7)'s W_2 W_1 up to the mask's tail (r <= r_max); a position above q gives W."""
     g = torch.Generator().manual_seed(0)
     W = torch.randn(7, 5, generator=g, dtype=torch.float64)
     LB = torch.linalg.cholesky(torch.eye(7, dtype=torch.float64) + 0.3 * torch.ones(7, 7, dtype=torch.float64))
     LA = torch.tril(torch.rand(5, 5, generator=g, dtype=torch.float64)) + torch.eye(5, dtype=torch.float64)
     dec = decompose(W, LB, LA)
     x = torch.randn(3, 5, generator=g, dtype=torch.float64)
-    for r in range(1, 6):
+    for r in range(1, max_profitable_rank(7, 5) + 1):  # above r_max (2) the layer is W: the test below
         soft = SoftTruncatedLinear(dec.P, dec.S, dec.Q, None, r - 0.5, gamma_dtype=torch.float64)
         W2, W1 = dec.factors(r)
         ref = x @ (W2 @ W1).T  # (3, 7)
@@ -88,11 +88,41 @@ def test_the_windowed_forward_equals_the_dense_soft_weight():
     W = torch.randn(41, 30, generator=g, dtype=torch.float64)
     dec = decompose(W, None, torch.rand(30, generator=g, dtype=torch.float64) + 0.5)
     x = torch.randn(3, 30, generator=g, dtype=torch.float64)
-    for gamma in (-0.7, 4.2, 17.5, 29.9):
+    assert max_profitable_rank(41, 30) == 17
+    for gamma in (-0.7, 4.2, 14.6, 16.9, 17.5, 29.9):  # 14.6 and on: the dense gate's window, all triplets
         soft = SoftTruncatedLinear(dec.P, dec.S, dec.Q, None, gamma, gamma_dtype=torch.float64)
         mu = 0.5 * torch.tanh(10 * (gamma - torch.arange(30, dtype=torch.float64))) + 0.5  # (q,)
-        ref = x @ (dec.P @ torch.diag(dec.S * mu) @ dec.Q.T).T  # (3, 41)
+        sigma = 0.5 * math.tanh(10 * (gamma - 17)) + 0.5
+        nu = mu + sigma * (1 - mu)
+        ref = x @ (dec.P @ torch.diag(dec.S * nu) @ dec.Q.T).T  # (3, 41)
         torch.testing.assert_close(soft(x).detach(), ref, **FLOAT64)
+
+
+def test_the_soft_layer_is_the_layer_that_budget_ranks_materialises():
+    """At gamma = r - 1/2 the soft layer is what materialising rank round(k) gives: the rank-r factors up to
+    r_max, the dense W above it (budget_ranks keeps such a layer dense). Without the dense gate, r_max < r < q
+    truncated a layer the budget keeps dense: on this 41 x 30 layer (r_max = 17) an output error of 1.4-2.9 at
+    r = 18..29 (the discarded singular values), where the gated layer is within the mask's tail (<= 2e-4, bound
+    4e-2)."""
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(41, 30, generator=g, dtype=torch.float64)
+    dec = decompose(W, None, torch.rand(30, generator=g, dtype=torch.float64) + 0.5)
+    x = torch.randn(3, 30, generator=g, dtype=torch.float64)
+    shapes = {"l": (41, 30)}
+    for r in (1, 9, 16, 17, 18, 20, 29, 30):
+        soft = SoftTruncatedLinear(dec.P, dec.S, dec.Q, None, r - 0.5, gamma_dtype=torch.float64)
+        k = float(soft.soft_rank().detach())
+        need = saving(41, 30, round(k)) if round(k) <= 17 else 0  # exactly what round(k) removes
+        hard = budget_ranks({"l": k}, shapes, need=need)["l"]  # so: round(k), or dense above r_max
+        assert hard == (r if r <= 17 else None)
+        weight = W if hard is None else torch.mm(*dec.factors(hard))  # (41, 30)
+        ref = x @ weight.T
+        bound = MASK_TAIL * float((x @ dec.Q).abs().sum() * dec.S.max() * dec.P.abs().max()) * 2
+        assert float((soft(x).detach() - ref).abs().max()) <= bound, r
+        if 17 < r < 30:  # what the ungated mask gave: the rank-r truncation, far from the dense layer
+            mu = soft.mask().detach()
+            ungated = x @ (dec.P @ torch.diag(dec.S * mu) @ dec.Q.T).T
+            assert float((ungated - ref).abs().max()) > 10 * bound, r
 
 
 def test_gradient_wrt_each_position_matches_finite_differences(calibrated):
