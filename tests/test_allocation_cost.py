@@ -57,7 +57,6 @@ def test_target_on_a_known_table():
     assert got["g"][0.3]["met"] is None  # nothing measured there: undecided, never "met"
 
 
-
 def test_head_to_head_counts_wins_and_the_geometric_mean_and_picks_the_target_variant():
     rows = [_row("g", "calibrated", 0.1, 100.0, 200), _row("g", "calibrated_kl", 0.1, 50.0, 200),
             _row("g", "calibrated", 0.2, 300.0, 200), _row("g", "calibrated_kl", 0.2, 300.0, 200),

@@ -56,6 +56,12 @@ def tight(ranks, shapes, need):
     return removed
 
 
+def tail_bound(x, dec) -> float:
+    """How far the soft layer at gamma = r - 1/2 can be from its hard 0/1 mask: every mask entry is within
+    MASK_TAIL of it, so the output within MASK_TAIL * sum|x Q| * max s * max|P| (twice, for slack)."""
+    return MASK_TAIL * float((x @ dec.Q).abs().sum() * dec.S.max() * dec.P.abs().max()) * 2
+
+
 def rms_norm_f64(self, x):
     return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
 
@@ -75,7 +81,7 @@ def test_soft_layer_at_half_integer_position_is_the_rank_r_factorisation():
         W2, W1 = dec.factors(r)
         ref = x @ (W2 @ W1).T  # (3, 7)
         # |mu_i - [i < r]| <= MASK_TAIL for every i (the nearest singular values are half a rank away)
-        bound = MASK_TAIL * float((x @ dec.Q).abs().sum() * dec.S.max() * dec.P.abs().max()) * 2
+        bound = tail_bound(x, dec)
         assert float((soft(x) - ref).detach().abs().max()) <= bound
         assert abs(float(soft.soft_rank().detach()) - r) <= 5 * MASK_TAIL
     full = SoftTruncatedLinear(dec.P, dec.S, dec.Q, None, 40.0, gamma_dtype=torch.float64)
@@ -117,7 +123,7 @@ def test_the_soft_layer_is_the_layer_that_budget_ranks_materialises():
         assert hard == (r if r <= 17 else None)
         weight = W if hard is None else torch.mm(*dec.factors(hard))  # (41, 30)
         ref = x @ weight.T
-        bound = MASK_TAIL * float((x @ dec.Q).abs().sum() * dec.S.max() * dec.P.abs().max()) * 2
+        bound = tail_bound(x, dec)
         assert float((soft(x).detach() - ref).abs().max()) <= bound, r
         if 17 < r < 30:  # what the ungated mask gave: the rank-r truncation, far from the dense layer
             mu = soft.mask().detach()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..allocation_cost import find_row
 from .formats import ORDINALS, cpu, method_name, num, pct, perplexity, secs
 
 if TYPE_CHECKING:
@@ -108,10 +109,8 @@ def allocation_headline(out: Outputs) -> str:
     variant = v["calibrated_variant"]
     flag = "`--allocation calibrated --calibrate-metric kl`" if variant == "calibrated_kl" else "`--allocation calibrated`"
     ratios = sorted(float(t) for t in next(iter(v["target"].values())))
-    row = {(r["method"], r["allocation"], round(r["target"], 4)): r for r in rows}
-
     def ppl(m, a, t):
-        return perplexity(row[m, a, round(t, 4)]["ppl_ptb"])
+        return perplexity(find_row(rows, m, a, t)["ppl_ptb"])
 
     met = [g["met"] for per in v["target"].values() for g in per.values()]
     parts = []
@@ -122,7 +121,7 @@ def allocation_headline(out: Outputs) -> str:
     t = ratios[-1]
     at = [r for r in rows if abs(r["target"] - t) < 1e-9]
     best = min(at, key=lambda r: r["ppl_ptb"])
-    ev = lambda a: f"{row['gfwsvd', a, round(t, 4)]['evaluations']:,}"  # noqa: E731
+    ev = lambda a: f"{find_row(rows, 'gfwsvd', a, t)['evaluations']:,}"  # noqa: E731
     head = "One measured point per layer beats the paper's sweep" if all(m is True for m in met) else \
         "One measured point per layer does not always beat the paper's sweep"
     return (f"**{head}** (allocation study below, k = {out.params(summary)['k']} calibration batches): {flag} "
