@@ -94,6 +94,15 @@ def test_results_table_bolds_the_best_per_block_and_shows_the_seed_spread():
     assert r"\textbf{15.50 $\pm$ 0.71}" in tex and tex.count(r"\midrule") == 1 + 3
 
 
+def test_every_score_column_of_the_results_table_gets_a_verify_tolerance():
+    """make verify compares a seed mean with a tolerance; a score column that fell to 'exact' (HellaSwag did, as
+    'HSwag', before the accuracy pattern knew that name) fails on the last bit of any CPU."""
+    tab = xc.results_table(xc.aggregate(_table()), [0.2], {c: 1.0 for c in (*xc.COLUMNS, "acc4")})
+    tol = ls.tolerances(tab)
+    assert {c for c, t in tol.items() if t == "exact"} == {"Block", "Method"}
+    assert tol["HSwag"] == tol["ARC-E"] == "abs=0.05" and tol["PTB"] == "rel=0.05"
+
+
 def test_ahead_requires_every_seed_ahead():
     df = _table()
     r = xc.ahead(df, 0.2, "dobi", "gfwsvd", "svd", "ppl_wiki")

@@ -347,15 +347,15 @@ COLUMN_TOLERANCES = (
     (re.compile(r"ratio", re.I), "rel=0.01"),
     (re.compile(r"loss", re.I), "abs=0.02"),
     (re.compile(r"wiki|ptb|ppl|perplexity", re.I), "rel=0.05"),
-    (re.compile(r"mmlu|humanities|other|social|stem|arc|hella|piqa|wino|openbook|avg|acc", re.I), "abs=0.05"),
+    (re.compile(r"mmlu|humanities|other|social|stem|arc|hella|hswag|piqa|wino|openbook|avg|acc", re.I), "abs=0.05"),
 )
 
 
 def tolerances(df: pd.DataFrame) -> dict[str, str]:
     """The verify tolerance of every column of a decoder table (:data:`COLUMN_TOLERANCES`; ``exact`` otherwise).
 
-    >>> tolerances(pd.DataFrame(columns=["Method", "C. Ratio (linear)", "PTB 10 %", "ARC-E", "held-out loss"]))
-    {'Method': 'exact', 'C. Ratio (linear)': 'rel=0.01', 'PTB 10 %': 'rel=0.05', 'ARC-E': 'abs=0.05', 'held-out loss': 'abs=0.02'}
+    >>> tolerances(pd.DataFrame(columns=["Method", "C. Ratio (linear)", "PTB 10 %", "ARC-E", "HSwag", "held-out loss"]))
+    {'Method': 'exact', 'C. Ratio (linear)': 'rel=0.01', 'PTB 10 %': 'rel=0.05', 'ARC-E': 'abs=0.05', 'HSwag': 'abs=0.05', 'held-out loss': 'abs=0.02'}
     """
     return {str(c): next((tol for pat, tol in COLUMN_TOLERANCES if pat.search(str(c))), "exact") for c in df.columns}
 
