@@ -26,8 +26,10 @@
 # * **(a)** the method's weighted SVD at its allocated per-layer ranks (`allocation`, the Fisher-predicted
 #   allocation: no model evaluation);
 # * **(b) Dobi-X**: Dobi-SVD's learned truncation: one position per layer trained through the soft mask
-#   `0.5 tanh(beta (gamma - i)) + 0.5` on the decomposition's singular values, every weight frozen, loss
-#   = LM term + `lambda |ratio - target|` (Dobi's lambda, beta and learning rates; the LM term is Dobi's
+#   `0.5 tanh(beta (gamma - i)) + 0.5` on the decomposition's singular values, opened to the dense weight
+#   by a second gate once the position passes the largest rank that saves parameters (where the built
+#   model keeps the layer dense: the soft model trained is the model materialised), every weight frozen,
+#   loss = LM term + `lambda |ratio - target|` (Dobi's lambda, beta and learning rates; the LM term is Dobi's
 #   perplexity or the NLL, `trunc_lm_loss`, see the parameter file for the choice), started at (a)'s
 #   ranks (`trunc_init`; Dobi starts uniform), then the layers rebuilt at the learned ranks so that the
 #   ratio is met exactly;
