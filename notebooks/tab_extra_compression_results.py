@@ -271,6 +271,11 @@ verdict["lead_change_counts"] = {f"{s}/{v}": int(n) for (s, v), n in counts.item
 lines.append("* Lead changes over all (other method, ratio, text): " + "; ".join(
     f"after {'learned truncation' if s == 'dobi' else 'LoRA'}: "
     + ", ".join(f"{v} {n}" for (s2, v), n in counts.items() if s2 == s) for s in ("dobi", "lora")) + ".")
+verdict["standing"] = xc.standing(ch_df, lead_tol) if len(ch_df) else {}
+for other, st in verdict["standing"].items():
+    lines.append(f"* GFWSVD against {ls.NAMES[other]} over every ratio, text and stage ((a), (b), (c)): behind in "
+                 f"{st['behind']} of {st['of']} comparisons, level in {st['level']}, ahead in {st['ahead']} "
+                 f"(lead beyond {lead_tol:g} nats).")
 # 3. factor rebalancing before LoRA
 reb = [xc.rebalance_effect(df, m, t, c, lead_tol) for m in rebalance_methods for t in shown for c in texts
        if any(np.isclose(t, rebalance_ratios))]

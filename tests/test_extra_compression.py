@@ -128,6 +128,18 @@ def test_leads_pair_the_seeds_and_the_change_is_classified():
     assert xc.lead_change(0.2, [0.1, 0.11])["verdict"] == "shrinks"
     assert xc.lead_change(0.2, [])["verdict"] == "missing"
     assert xc.lead_change(0.2, [float("nan")])["verdict"] == "missing"  # an overflowed perplexity has no lead
+
+
+def test_standing_counts_each_ratio_and_texts_lead_before_training_once_and_after_each_stage():
+    df = _table()
+    changes = pd.DataFrame([
+        {"other": "svd", "target": 0.2, "text": c, "stage": st,
+         **xc.lead_change(xc.leads(df, 0.2, "allocated", "gfwsvd", "svd", c)[0],
+                          xc.leads(df, 0.2, st, "gfwsvd", "svd", c))}
+        for c in ("ppl_wiki", "ppl_ptb") for st in ("dobi", "lora")])
+    # (a) 0.288 and (b) ~0.30 ahead on both texts; (c)'s seeds -0.008 and +0.008 average to level
+    assert xc.standing(changes) == {"svd": {"behind": 0, "level": 2, "ahead": 4, "of": 6}}
+    assert xc.standing(changes.assign(after=-changes["after"]))["svd"]["behind"] == 2  # (b) now behind; (a) as before
     assert xc.lead_change(0.2, [0.3, float("nan")])["verdict"] == "grows"
     wide = xc.lead_change(1.0, [0.8, 1.4])  # a seed range of 0.6 swallows a change of 0.1
     assert wide["verdict"] == "holds" and wide["noise"] == pytest.approx(0.6)

@@ -67,7 +67,7 @@ from . import llm_compression as lc
 __all__ = ["CODE_VERSION", "METHODS", "STAGES", "STAGE_NAMES", "COLUMNS", "TRAIN_SEED", "Training", "Row",
            "ExtraStudy", "training_documents", "wikitext2_train", "prepare", "run_rows", "flat_scores", "aggregate",
            "row_name",
-           "results_table", "ahead", "leads", "lead_change", "rebalance_effect", "all_collapsed", "training_curves"]
+           "results_table", "ahead", "leads", "lead_change", "standing", "rebalance_effect", "all_collapsed", "training_curves"]
 
 log = logging.getLogger(__name__)
 
@@ -621,6 +621,27 @@ def lead_change(before: float, after, tol: float = 0.01) -> dict:
     else:
         verdict = "holds"
     return {"before": float(before), "after": mean, "spread": spread, "noise": noise, "verdict": verdict}
+
+
+def standing(changes: pd.DataFrame, tol: float = 0.01) -> dict[str, dict[str, int]]:
+    r"""Per other method, in how many (ratio, text, stage) comparisons ``ours`` is behind, level or ahead.
+
+    ``changes``: the :func:`lead_change` records with their ``other``, ``target``, ``text`` and ``stage``; each
+    (ratio, text) contributes its lead before training (stage (a), once) and its mean lead after each trained
+    stage. Behind: a lead below ``-tol`` nats; ahead: above ``tol``; level between.
+
+    >>> ch = pd.DataFrame({"other": ["x", "x"], "target": [0.2, 0.2], "text": ["ppl_ptb"] * 2,
+    ...                    "stage": ["dobi", "lora"], "before": [-0.3, -0.3], "after": [-0.1, 0.005]})
+    >>> standing(ch)
+    {'x': {'behind': 2, 'level': 1, 'ahead': 0, 'of': 3}}
+    """
+    out = {}
+    for other, g in changes.groupby("other", sort=False):
+        lead = np.array([*g.drop_duplicates(["target", "text"])["before"], *g["after"]], dtype=float)
+        lead = lead[np.isfinite(lead)]
+        out[other] = {"behind": int((lead < -tol).sum()), "level": int((abs(lead) <= tol).sum()),
+                      "ahead": int((lead > tol).sum()), "of": int(len(lead))}
+    return out
 
 
 def rebalance_effect(rows: pd.DataFrame, method: str, target: float, column: str, tol: float = 0.01) -> dict:
