@@ -10,6 +10,8 @@ BENCH_OUT  := $(foreach s,bench_mff bench_minilm_layers,$(BENCH_DIR)/$s.csv $(BE
               $(BENCH_DIR)/fig_bench_mff.png $(BENCH_DIR)/fig_bench_mff.pdf $(BENCH_DIR)/fig_bench_mff.provenance.json
 
 .PHONY: bench bench-quick bench-replot
+# A failed or interrupted benchmark deletes none of the last run's tables (see the notebook macro in notebooks.mk)
+.PRECIOUS: $(BENCH_OUT)
 bench: $(BENCH_OUT) ## benchmark MFF vs the authors' svds approach: synthetic sizes, a MiniLM layer, whole MiniLM (about 7 min on 2 idle cores)
 $(BENCH_OUT) &: $(BENCH_SRC) $(CORE_SRC) | $(STAMP)
 	$(PY) scripts/bench_mff.py --out $(BENCH_DIR) $(BENCH_ARGS)

@@ -63,9 +63,16 @@ define run_notebook
 endef
 
 # $(eval $(call notebook,NAME,OUTPUTS,EXTRA_PREREQS))
+# The outputs are .PRECIOUS: a failed or interrupted run deletes none of them. GNU make 4.3's
+# .DELETE_ON_ERROR deletes every member of a grouped target but the first when the recipe fails, changed
+# or not: a notebook stopped in its tenth row deleted the committed table, figure and executed notebook
+# of the run before it. Nothing is lost by keeping them: every output is written atomically, and the
+# executed notebook is replaced only by a run in which every cell ran, so after a failure it is older
+# than what changed and the next make re-runs the notebook.
 define notebook
 NOTEBOOKS += $1
 .PHONY: $1
+.PRECIOUS: $2 $(call nb_executed,$1)
 $1: $2 $(call nb_executed,$1)
 $2 $(call nb_executed,$1) &: $(NB_DIR)/$1.py $(NB_PARAMS)/$1.$(PROFILE).yaml $(CORE_SRC) $3 | $(STAMP)
 	$$(call run_notebook,$1,$2,$(if $(nb_commits),$(NB_EXECUTED)/$1.ipynb))

@@ -54,3 +54,27 @@ def test_a_run_lands_atomically_and_a_failure_replaces_the_executed_copy(tmp_pat
     assert not ok
     assert sorted(p.name for p in build.iterdir()) == ["nb.failed.ipynb", "nb.progress.log"]
     assert "planted failure" in (build / "nb.failed.ipynb").read_text()
+
+
+def test_a_failed_make_run_of_a_notebook_deletes_none_of_its_outputs(tmp_path):
+    """GNU make's .DELETE_ON_ERROR removed the unchanged members of a notebook's grouped target (its table's
+    .md and .tex, its figures, its executed notebook) when the run failed; the notebook macro marks them
+    .PRECIOUS. Run for real, with the notebook's command replaced by one that fails, into a scratch folder."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    args = ["make", "--no-print-directory", "-o", ".venv/.fisherkron-installed", "-W", "notebooks/fig_time_algo.py",
+            "fig_time_algo", f"FIGDIR={tmp_path}/figures", f"NB_BUILD={tmp_path}/nb"]
+    plan = subprocess.run([*args, "-n"], cwd=root, env=env, capture_output=True, text=True, timeout=120).stdout
+    outputs = [Path(f) for f in plan.split("for f in ", 1)[1].split("; do", 1)[0].split()]
+    outputs.append(tmp_path / "nb" / "fig_time_algo.ipynb")  # the executed notebook make tracks beside them
+    assert len(outputs) >= 4 and all(str(f).startswith(str(tmp_path)) for f in outputs), plan
+    for f in outputs:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("the last good run")
+    r = subprocess.run([*args, "PY=false"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0  # the run failed ...
+    assert [f.name for f in outputs if not f.is_file()] == [], r.stderr  # ... and every output is still there
+    assert all(f.read_text() == "the last good run" for f in outputs)
