@@ -179,3 +179,22 @@ def test_the_decoder_headline_ranks_gfwsvd_by_ptb_in_the_best_allocation_block(t
     assert "is not ahead" in text and "first by PTB perplexity at 1 of 2 ratios" in text
     assert "20 %: GFWSVD 300 (6.0× dense), second of 3; ahead of it: KFAC-SVD 200." in text
     assert "30 %: GFWSVD 500 (10.0× dense), first of 2." in text and "ASVD" not in text
+
+
+def test_the_bench_note_says_a_run_is_older_than_the_code_only_when_it_is(tmp_path):
+    """A clean run of today's runner reproduces from its commit; a runner that is gone or a dirty tree does not
+    (the note once said "older than the code" of every run)."""
+    import json
+
+    shutil.copytree(ROOT / "figures" / "bench", tmp_path / "bench")
+    rec_file = tmp_path / "bench" / "bench_mff.provenance.json"
+    rec = json.loads(rec_file.read_text())
+
+    def note(**change):
+        rec_file.write_text(json.dumps({**rec, **change}))
+        return readme.renderers()["bench-run"](readme.Outputs(tmp_path))
+
+    ok = {"git": {"commit": "0123456789", "dirty": False}, "notebook": "scripts/bench_mff.py"}
+    assert "older than the code" not in note(**ok) and "commit `0123456`" in note(**ok)
+    assert "uncommitted changes, so no commit" in note(**{**ok, "git": {"commit": "0123456789", "dirty": True}})
+    assert "`fisherkron/bench.py`, which no longer exists" in note(**{**ok, "notebook": "fisherkron/bench.py"})
