@@ -215,8 +215,8 @@ def glue_cost(out: Outputs) -> str:
     met = cold <= GLUE_BUDGET_MIN[0] and cached <= GLUE_BUDGET_MIN[1]
     return "\n".join([
         f"**Cost, against the issue's budget ({'met' if met else 'missed'}).** The committed outputs come from a "
-        f"run of {secs(out.wall(_GLUE))} from the complete cache (provenance `wall_seconds`). The summary record "
-        "keeps the recorded time of the work that cache saves:",
+        f"run of {secs(out.wall(_GLUE))} (provenance `wall_seconds`), which read from the cache whatever earlier, "
+        "interrupted runs had stored. The summary record keeps the recorded time of all the work, cached or not:",
         f"* The compression and scoring of the {len(pairs)} (task, seed) pairs took {dur(work)}, and collecting "
         f"their calibration gradients {dur(calib)}. These are sums of recorded "
         "times, some of them measured while other studies shared the cores.",
