@@ -275,7 +275,7 @@ verdict["standing"] = xc.standing(ch_df, lead_tol) if len(ch_df) else {}
 for other, st in verdict["standing"].items():
     lines.append(f"* GFWSVD against {ls.NAMES[other]} over every ratio, text and stage ((a), (b), (c)): behind in "
                  f"{st['behind']} of {st['of']} comparisons, level in {st['level']}, ahead in {st['ahead']} "
-                 f"(lead beyond {lead_tol:g} nats).")
+                 f"(a lead counts beyond its noise: {lead_tol:g} nats before training, max(seed spread, {lead_tol:g}) after).")
 # 3. factor rebalancing before LoRA
 reb = [xc.rebalance_effect(df, m, t, c, lead_tol) for m in rebalance_methods for t in shown for c in texts
        if any(np.isclose(t, rebalance_ratios))]

@@ -140,6 +140,10 @@ def test_standing_counts_each_ratio_and_texts_lead_before_training_once_and_afte
     # (a) 0.288 and (b) ~0.30 ahead on both texts; (c)'s seeds -0.008 and +0.008 average to level
     assert xc.standing(changes) == {"svd": {"behind": 0, "level": 2, "ahead": 4, "of": 6}}
     assert xc.standing(changes.assign(after=-changes["after"]))["svd"]["behind"] == 2  # (b) now behind; (a) as before
+    # a mean lead inside its seed spread is level, as lead_change calls it, even beyond tol
+    wide = changes.assign(after=-0.03, noise=0.05)
+    assert xc.standing(wide)["svd"] == {"behind": 0, "level": 4, "ahead": 2, "of": 6}
+    assert xc.lead_change(-0.07, [-0.055, -0.005])["verdict"] == "level"  # the same reading as lead_change's
     assert xc.lead_change(0.2, [0.3, float("nan")])["verdict"] == "grows"
     wide = xc.lead_change(1.0, [0.8, 1.4])  # a seed range of 0.6 swallows a change of 0.1
     assert wide["verdict"] == "holds" and wide["noise"] == pytest.approx(0.6)

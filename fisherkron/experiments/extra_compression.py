@@ -627,20 +627,26 @@ def standing(changes: pd.DataFrame, tol: float = 0.01) -> dict[str, dict[str, in
     r"""Per other method, in how many (ratio, text, stage) comparisons ``ours`` is behind, level or ahead.
 
     ``changes``: the :func:`lead_change` records with their ``other``, ``target``, ``text`` and ``stage``; each
-    (ratio, text) contributes its lead before training (stage (a), once) and its mean lead after each trained
-    stage. Behind: a lead below ``-tol`` nats; ahead: above ``tol``; level between.
+    (ratio, text) contributes its lead before training (stage (a), once; deterministic, so its noise is ``tol``)
+    and its mean lead after each trained stage, whose noise is the record's ``max(seed spread, tol)`` as in
+    :func:`lead_change`. Behind: a lead below minus the noise; ahead: above it; level between.
 
     >>> ch = pd.DataFrame({"other": ["x", "x"], "target": [0.2, 0.2], "text": ["ppl_ptb"] * 2,
-    ...                    "stage": ["dobi", "lora"], "before": [-0.3, -0.3], "after": [-0.1, 0.005]})
-    >>> standing(ch)
+    ...                    "stage": ["dobi", "lora"], "before": [-0.3, -0.3], "after": [-0.1, -0.03],
+    ...                    "noise": [0.02, 0.05]})
+    >>> standing(ch)  # (a) -0.3 and (b) -0.1 behind; (c) -0.03 within its seed spread 0.05
     {'x': {'behind': 2, 'level': 1, 'ahead': 0, 'of': 3}}
     """
     out = {}
     for other, g in changes.groupby("other", sort=False):
-        lead = np.array([*g.drop_duplicates(["target", "text"])["before"], *g["after"]], dtype=float)
-        lead = lead[np.isfinite(lead)]
-        out[other] = {"behind": int((lead < -tol).sum()), "level": int((abs(lead) <= tol).sum()),
-                      "ahead": int((lead > tol).sum()), "of": int(len(lead))}
+        first = g.drop_duplicates(["target", "text"])
+        after_noise = g["noise"] if "noise" in g else pd.Series(tol, index=g.index)
+        lead = np.array([*first["before"], *g["after"]], dtype=float)
+        noise = np.array([*[tol] * len(first), *after_noise.fillna(tol)], dtype=float)
+        keep = np.isfinite(lead)
+        lead, noise = lead[keep], noise[keep]
+        out[other] = {"behind": int((lead < -noise).sum()), "level": int((abs(lead) <= noise).sum()),
+                      "ahead": int((lead > noise).sum()), "of": int(len(lead))}
     return out
 
 
