@@ -101,6 +101,9 @@ def test_a_table_value_edited_by_hand_is_caught_and_a_timing_is_not(tmp_path, ca
                      + re.escape(repr(float(committed))), out)
     report = json.loads((scratch / "report.json").read_text())
     assert [f["column"] for t in report["tables"] for f in t["failures"]] == ["gap"]
+    # the report says what it checked: the commit of the code, the caches (none: --no-run ran nothing), the machine
+    assert re.fullmatch(r"[0-9a-f]{40}", report["git"]["commit"]) and report["data"] is None
+    assert report["machine"]["cpu"] and report["machine"]["cpu_count"] >= 1 and report["finished"].endswith("Z")
 
 
 def test_structural_changes_fail(tmp_path):

@@ -19,7 +19,8 @@ Issue 24 ("a reproduction you can check"). For each notebook the driver
    the report names. Timing columns are shown as the median ratio new / committed and never fail;
 3. prints one line per table (columns compared, worst margin = ``|new - committed| / tolerance``,
    at most 1 to pass) and every value outside its tolerance, writes ``report.json`` in the
-   scratch folder, and exits 1 if any value is outside (2 if a notebook failed to run).
+   scratch folder (the results with the commit, data mode and machine they were checked on and
+   when), and exits 1 if any value is outside (2 if a notebook failed to run).
 
 A committed table of the notebook that the run did not write, a table with other rows or
 columns, and a table the committed folder lacks are reported too (the first two fail).
@@ -405,9 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.budget and runs and total > a.budget:
         print(f"[verify] WARNING: took {total:.0f} s, over the {a.budget:.0f} s budget", file=sys.stderr)
     scratch.mkdir(parents=True, exist_ok=True)
+    from .figures import git_commit, machine_info
+
+    # what a reader of the report needs to know what was checked: the code, the caches, the machine, when
+    run = {"git": git_commit(root), "data": None if a.no_run else a.data, "ref": _rel(ref, root),
+           "machine": {k: v for k, v in machine_info().items() if k in ("cpu", "cpu_count", "torch", "platform")},
+           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (scratch / "report.json").write_text(json.dumps(
-        {"notebooks": names, "seconds": runs, "cpu_seconds": cpus, "total_seconds": round(total, 1), "failed_to_run": broken,
-         "tables": [{**asdict(r), "failures": [asdict(f) for f in r.failures]} for r in reports]},
+        {"notebooks": names, **run, "seconds": runs, "cpu_seconds": cpus, "total_seconds": round(total, 1),
+         "failed_to_run": broken, "tables": [{**asdict(r), "failures": [asdict(f) for f in r.failures]} for r in reports]},
         indent=1, default=str) + "\n", encoding="utf-8")
     return status
 
