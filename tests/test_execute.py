@@ -6,6 +6,8 @@ never taken for a fresh one.
 """
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 from fisherkron.experiments.execute import execute
@@ -60,9 +62,6 @@ def test_a_failed_make_run_of_a_notebook_deletes_none_of_its_outputs(tmp_path):
     """GNU make's .DELETE_ON_ERROR removed the unchanged members of a notebook's grouped target (its table's
     .md and .tex, its figures, its executed notebook) when the run failed; the notebook macro marks them
     .PRECIOUS. Run for real, with the notebook's command replaced by one that fails, into a scratch folder."""
-    import os
-    import subprocess
-
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
     args = ["make", "--no-print-directory", "-o", ".venv/.fisherkron-installed", "-W", "notebooks/fig_time_algo.py",

@@ -128,6 +128,10 @@ def test_leads_pair_the_seeds_and_the_change_is_classified():
     assert xc.lead_change(0.2, [0.1, 0.11])["verdict"] == "shrinks"
     assert xc.lead_change(0.2, [])["verdict"] == "missing"
     assert xc.lead_change(0.2, [float("nan")])["verdict"] == "missing"  # an overflowed perplexity has no lead
+    assert xc.lead_change(0.2, [0.3, float("nan")])["verdict"] == "grows"
+    wide = xc.lead_change(1.0, [0.8, 1.4])  # a seed range of 0.6 swallows a change of 0.1
+    assert wide["verdict"] == "holds" and wide["noise"] == pytest.approx(0.6)
+    assert xc.lead_change(0.1, [0.0, 0.5])["verdict"] == "vanishes"  # 0.25 is within the range 0.5 of zero
 
 
 def test_standing_counts_each_ratio_and_texts_lead_before_training_once_and_after_each_stage():
@@ -144,10 +148,6 @@ def test_standing_counts_each_ratio_and_texts_lead_before_training_once_and_afte
     wide = changes.assign(after=-0.03, noise=0.05)
     assert xc.standing(wide)["svd"] == {"behind": 0, "level": 4, "ahead": 2, "of": 6}
     assert xc.lead_change(-0.07, [-0.055, -0.005])["verdict"] == "level"  # the same reading as lead_change's
-    assert xc.lead_change(0.2, [0.3, float("nan")])["verdict"] == "grows"
-    wide = xc.lead_change(1.0, [0.8, 1.4])  # a seed range of 0.6 swallows a change of 0.1
-    assert wide["verdict"] == "holds" and wide["noise"] == pytest.approx(0.6)
-    assert xc.lead_change(0.1, [0.0, 0.5])["verdict"] == "vanishes"  # 0.25 is within the range 0.5 of zero
 
 
 def test_rebalance_effect_and_collapse():

@@ -210,11 +210,13 @@ def bench_run(out: Outputs) -> str:
         notes.append(f"their provenance names the runner `{runner}`, which no longer exists (the runner is now "
                      "`scripts/bench_mff.py`)")
     dirty = bool(rec["git"].get("dirty"))
-    notes.append(f"they were run at commit `{sha}`{' from a tree with uncommitted changes' if dirty else ''}")
-    code = (f"These tables are older than the code: {'; '.join(notes)}, so no commit reproduces them exactly; "
-            "`make bench` replaces them." if gone or dirty else
-            f"They were run at commit `{sha}` with no uncommitted changes: `make bench` there repeats them, "
-            "timings apart.")
+    if gone or dirty:
+        notes.append(f"they were run at commit `{sha}`" + (" from a tree with uncommitted changes" if dirty else ""))
+        code = (f"These tables are older than the code: {'; '.join(notes)}, so no commit reproduces them exactly; "
+                "`make bench` replaces them.")
+    else:
+        code = (f"They were run at commit `{sha}` with no uncommitted changes: `make bench` there repeats them, "
+                "timings apart.")
     return (f"Measured with `make bench` on this project's {cpu(out, _BENCH)} VM (torch {m['torch']}); "
             f"the load average at the end of the run was {num(e['load_average'][0], 1)} (the benchmark itself "
             f"included). The GEMM peak measured in the same run was {e['gemm_peak_gflops_start']:.0f} GFLOP/s at the "
