@@ -8,7 +8,8 @@ model registry to find a path.
 * :func:`set_offline_env` / :func:`hub_offline`: the Hugging Face offline switches;
 * :func:`package_dir`: a package's folder, or the one error "package X is not installed";
 * :func:`atomic_path`: the one temporary-name-then-rename helper, for files
-  (:func:`atomic_write`) and folders (:func:`atomic_directory`).
+  (:func:`atomic_write`) and folders (:func:`atomic_directory`);
+* :class:`OtherLoad`: how much of the machine other processes used while a timing ran.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from typing import Any
 from .core.conventions import FisherkronError
 
 __all__ = ["REPO_ROOT", "data_root", "models_root", "set_offline_env", "hub_offline", "OFFLINE_VARS", "offline_advice", "package_dir",
-           "require", "atomic_path", "stale_temporaries", "remove_stale_temporaries", "atomic_write", "atomic_directory", "TMP_PREFIX"]
+           "require", "atomic_path", "stale_temporaries", "remove_stale_temporaries", "atomic_write", "atomic_directory", "TMP_PREFIX",
+           "OtherLoad"]
 
 #: The checkout this package was imported from (editable install) or its site-packages parent.
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -312,6 +314,58 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """``(busy, total)`` clock ticks of all cores since boot, from ``/proc/stat``'s ``cpu`` line; None off Linux.
+
+    busy = user + nice + system + irq + softirq + steal (guest time is already inside user);
+    total = busy + idle + iowait.
+    """
+    try:
+        line = Path("/proc/stat").read_text().splitlines()[0].split()
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in line[1:9])
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process (every thread) and of its children it has waited for."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class OtherLoad:
+    """How much of the machine other processes used while the block ran (was a timing taken on idle cores?).
+
+    ``share`` = (the cores' busy seconds over the block - this process's own CPU seconds) /
+    (the cores' wall seconds): 0 on an otherwise idle machine, 0.5 when another process kept one of
+    two cores busy, 1 when other work filled every core. Own work never counts, however many threads
+    it uses (``os.times`` includes them), nor the children it waited for inside the block. ``None``
+    where ``/proc/stat`` cannot be read, or the block was too short to see (under one clock tick).
+
+    >>> with OtherLoad() as load:
+    ...     _ = sum(range(10))
+    >>> load.share is None or 0.0 <= load.share <= 1.0
+    True
+    """
+
+    def __init__(self) -> None:
+        self.share: float | None = None
+
+    def __enter__(self) -> "OtherLoad":
+        self._start = (_cpu_jiffies(), _own_cpu_seconds())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        (before, own0), after, own1 = self._start, _cpu_jiffies(), _own_cpu_seconds()
+        if before is None or after is None or after[1] <= before[1]:
+            return
+        tick = os.sysconf("SC_CLK_TCK")
+        busy, total = (after[0] - before[0]) / tick, (after[1] - before[1]) / tick
+        self.share = min(1.0, max(0.0, (busy - (own1 - own0)) / total))
 
 
 def _umask() -> int:

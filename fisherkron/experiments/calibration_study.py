@@ -7,7 +7,9 @@ after every record, so a study can be stopped and resumed):
   fresh process (so its peak resident memory is its own): :func:`fisherkron.collect_calibration`
   of every linear layer, then MFF's ``A (x) B`` of every layer (Algorithm 1, warm-started from
   K-FAC) and, optionally, GFWSVD compression of the whole model. It records seconds per step,
-  tokens/s, bytes on disk, peak RSS, MFF's products and their rate
+  tokens/s, bytes on disk, peak RSS, the share of the cores other processes used meanwhile
+  (:class:`fisherkron.env.OtherLoad`: 0 on idle cores), whether the collection resumed an
+  interrupted one (then its seconds are not the whole collection's), MFF's products and their rate
   (``2 k n m (n + m)`` flops per product with ``k`` stored gradients, ``2 T (n^2 + m^2)`` with
   ``T`` token gradients). The calibration and the factors land in the normal caches, so the
   quality cases below reuse them. With ``keep=False`` it runs in a temporary folder (a size
@@ -44,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from ..env import atomic_write, data_root
+from ..env import OtherLoad, atomic_write, data_root
 
 __all__ = ["Study", "prepare", "measure", "stats_of", "run_case", "gradient_count", "encoding_error", "kron_rel_error",
            "CODE_VERSION"]
@@ -178,6 +180,13 @@ def _product_flops(stats, name: str) -> float:
 
 def child(spec: dict) -> dict:
     """One cost measurement in this process (see the module docstring); returns its record."""
+    with OtherLoad() as load:
+        rec = _measure_here(spec)
+    rec["others_cpu_share"] = load.share
+    return rec
+
+
+def _measure_here(spec: dict) -> dict:
     import re
 
     from .. import hf
@@ -186,12 +195,14 @@ def child(spec: dict) -> dict:
     model, tok = hf.load_model(spec["model_name"])
     batches = _batches(tok, spec["protocol"], spec["k"])
     stats_kinds = tuple(spec["stats"])
+    pending = _partial_keys(Path(spec["cache_dir"]) if spec.get("cache_dir") else data_root() / "cache" / "calibration")
     t = time.perf_counter()
     st = _collect(model, batches, spec["protocol"], stats_kinds, granularity=spec["granularity"],
                   grad_dtype=spec["grad_dtype"], cache_dir=spec.get("cache_dir"), progress=spec.get("progress", False))
     rec = {"setting": spec["setting"], "key": st.key, "k": spec["k"], "granularity": spec["granularity"],
            "grad_dtype": spec["grad_dtype"], "gradients": gradient_count(st), "stats": list(stats_kinds),
-           "collected_now": not st.from_cache, "collect_seconds": time.perf_counter() - t,
+           "collected_now": not st.from_cache, "resumed": not st.from_cache and st.key in pending,
+           "collect_seconds": time.perf_counter() - t,
            "tokens": sum(int(b["attention_mask"].sum()) for b in batches), "layers": len(st.layers),
            "threads": torch.get_num_threads()}
     rec["tokens_per_s"] = rec["tokens"] / rec["collect_seconds"]
@@ -221,6 +232,17 @@ def child(spec: dict) -> dict:
     rec["disk_gb"] = _disk(st.dir) / 1e9
     rec["peak_gb"] = _peak_gb()
     return rec
+
+
+def _partial_keys(root: Path) -> set[str]:
+    """The keys of the interrupted collections under ``root`` (a collection that resumes one is not timed whole)."""
+    keys = set()
+    for p in root.glob("*.partial"):
+        try:
+            keys.add(json.loads((p / "partial.json").read_text())["key"])
+        except (OSError, ValueError, KeyError, TypeError):
+            keys.add(p.name[: -len(".partial")])
+    return keys
 
 
 def _run_child(spec: dict) -> dict:
