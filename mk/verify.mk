@@ -10,16 +10,20 @@
 #                                last verify left there | data/'s calibration statistics, sweeps, task files
 #                                and fine-tuned encoders linked in,
 #                                every compression and score recomputed | data/ (reads and may add entries)
+#   VERIFY_RECORD=data/verify    where each notebook's result is kept (committed; the README's verification
+#                                block renders from it: `make readme`); VERIFY_RECORD= keeps none
 VERIFY_QUICK   := kronecker_fisher_from_scratch fig_synthetic_correlations fig_time_algo tab_throughput
 VERIFY_DATA    ?= fresh
 VERIFY_DIR     ?= build/verify
 VERIFY_QUICK_BUDGET_S ?= 1200
+VERIFY_RECORD  ?= data/verify
 NB ?=
 
 .PHONY: verify verify-quick
 verify: | $(STAMP) ## re-run notebooks into build/verify/ and compare their tables with figures/ within declared tolerances (NB=name for one)
-	$(PY) -m fisherkron.experiments.verify --scratch $(VERIFY_DIR) --data $(VERIFY_DATA) --nb "$(or $(NB),$(NOTEBOOKS))"
+	$(PY) -m fisherkron.experiments.verify --scratch $(VERIFY_DIR) --data $(VERIFY_DATA) --nb "$(or $(NB),$(NOTEBOOKS))" \
+	  $(if $(VERIFY_RECORD),--record $(VERIFY_RECORD))
 
 verify-quick: | $(STAMP) ## `make verify` for the notebooks that run in minutes from empty caches (<= 20 min on 2 cores)
 	$(PY) -m fisherkron.experiments.verify --scratch $(VERIFY_DIR) --data $(VERIFY_DATA) --nb "$(VERIFY_QUICK)" \
-	  --budget $(VERIFY_QUICK_BUDGET_S)
+	  --budget $(VERIFY_QUICK_BUDGET_S) $(if $(VERIFY_RECORD),--record $(VERIFY_RECORD))

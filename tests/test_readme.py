@@ -26,8 +26,11 @@ def _text() -> str:
 
 
 def _figures_copy(tmp_path: Path) -> Path:
-    """The tables and records of figures/ (no images) in a folder the test may edit."""
+    """The tables and records of figures/ (no images) in a folder the test may edit, with what the README
+    also renders from beside it (the verify records in data/verify/, the notebooks' parameter files)."""
     images = shutil.ignore_patterns("*.png", "*.pdf", "*.tex")
+    for beside in ("data/verify", "notebooks/params"):
+        shutil.copytree(ROOT / beside, tmp_path / beside)
     return Path(shutil.copytree(FIGURES, tmp_path / "figures", ignore=images))
 
 
@@ -198,3 +201,42 @@ def test_the_bench_note_says_a_run_is_older_than_the_code_only_when_it_is(tmp_pa
     assert "older than the code" not in note(**ok) and "commit `0123456`" in note(**ok)
     assert "uncommitted changes, so no commit" in note(**{**ok, "git": {"commit": "0123456789", "dirty": True}})
     assert "`fisherkron/bench.py`, which no longer exists" in note(**{**ok, "notebook": "fisherkron/bench.py"})
+
+
+def test_the_verify_block_says_what_each_run_found_and_which_tables_changed_since(tmp_path):
+    import json
+
+    from fisherkron.env import file_checksum
+
+    figs = tmp_path / "figures"
+    figs.mkdir()
+    (figs / "tab_a.csv").write_text("x,y\n1,2\n")
+    params = tmp_path / "notebooks" / "params"
+    params.mkdir(parents=True)
+    for nb in ("nb_a", "nb_b"):
+        (params / f"{nb}.default.yaml").write_text("x: 1\n")
+    render = readme.renderers()["verify-record"]
+    assert "No notebook has been verified yet" in render(readme.Outputs(figs))
+
+    rec = {"notebook": "nb_a", "result": "PASS", "values": 2, "worst": 0.5, "failures": [],
+           "tables": [{"name": "tab_a", "status": "PASS", "columns": 2, "values": 2, "worst": 0.5,
+                       "sha": file_checksum(figs / "tab_a.csv")}],
+           "seconds": 754.0, "cpu_seconds": 1400.0, "others_cpu_share": 0.02, "data": "fresh",
+           "git": {"commit": "0123456789abcdef" * 2 + "01234567", "dirty": False},
+           "machine": {"cpu": "AMD EPYC", "cpu_count": 2}, "finished": "2026-11-25T14:00:00Z"}
+    (tmp_path / "data" / "verify").mkdir(parents=True)
+    (tmp_path / "data" / "verify" / "nb_a.json").write_text(json.dumps(rec))
+    text = render(readme.Outputs(figs))
+    assert "| `nb_a` | PASS | 1 | 2 | 0.50 | fresh | 13 min | idle | 2-core AMD EPYC | 0123456 | 2026-11-25 |" in text
+    assert "outside their tolerance in these runs: none." in text and "Not yet verified: `nb_b`." in text
+    assert "verify again" not in text
+
+    (figs / "tab_a.csv").write_text("x,y\n1,3\n")  # the table regenerated after the run: the run no longer vouches
+    text = render(readme.Outputs(figs))
+    assert "PASS (since then `tab_a` changed)" in text and "(verify again): `nb_a`." in text
+
+    rec.update(result="FAIL", failures=["tab_a row 1 (1) column 'y': committed 2, now 3"], others_cpu_share=0.4)
+    (tmp_path / "data" / "verify" / "nb_a.json").write_text(json.dumps(rec))
+    text = render(readme.Outputs(figs))
+    assert "shared (40 % other work)" in text
+    assert "in these runs: 1:\n* `nb_a`: tab_a row 1 (1) column 'y': committed 2, now 3" in text

@@ -106,6 +106,65 @@ def test_a_table_value_edited_by_hand_is_caught_and_a_timing_is_not(tmp_path, ca
     assert report["machine"]["cpu"] and report["machine"]["cpu_count"] >= 1 and report["finished"].endswith("Z")
 
 
+def _fake_runs(monkeypatch, new: Path, ok=("fig_synthetic_correlations", "fig_time_algo")):
+    """``execute`` replaced by one that "writes" the tables of ``new`` (no notebook runs)."""
+    def execute(n, figdir, *a, **k):
+        if n in ok:
+            shutil.copytree(new, figdir, dirs_exist_ok=True)
+        return n in ok, 2.0, 1.5
+
+    monkeypatch.setattr(verify, "execute", execute)
+    monkeypatch.setattr(verify, "_data_env", lambda mode, scratch: ({}, mode))
+
+
+def test_a_run_keeps_one_record_per_notebook_with_what_it_found(tmp_path, monkeypatch):
+    ref, scratch, records = _copy(tmp_path / "ref"), tmp_path / "verify", tmp_path / "records"
+    new = _copy(tmp_path / "new")
+    _fake_runs(monkeypatch, new)
+    args = ["--ref", str(ref), "--scratch", str(scratch), "--nb", "fig_synthetic_correlations,fig_time_algo",
+            "--record", str(records)]
+    assert verify.main(args) == 0
+    rec = json.loads((records / "fig_time_algo.json").read_text())
+    assert rec["result"] == "PASS" and rec["worst"] == 0.0 and rec["failures"] == [] and rec["seconds"] == 2.0
+    assert {t["name"] for t in rec["tables"]} == {"tab_time_algo", "tab_time_algo_sweep"}
+    from fisherkron.env import file_checksum
+    assert all(t["sha"] == file_checksum(ref / f"{t['name']}.csv") for t in rec["tables"])
+    assert rec["data"] == "fresh" and re.fullmatch(r"[0-9a-f]{40}", rec["git"]["commit"])
+    assert rec["others_cpu_share"] is None or 0.0 <= rec["others_cpu_share"] <= 1.0
+
+    gaps = pd.read_csv(new / "tab_synthetic_gaps.csv")
+    gaps.loc[2, "gap"] += 4 * gaps.loc[2, "se"]  # the value edited by hand: the record names it
+    gaps.to_csv(new / "tab_synthetic_gaps.csv", index=False)
+    assert verify.main(args) == 1
+    rec = json.loads((records / "fig_synthetic_correlations.json").read_text())
+    assert rec["result"] == "FAIL" and len(rec["failures"]) == 1 and "column 'gap'" in rec["failures"][0]
+    assert json.loads((records / "fig_time_algo.json").read_text())["result"] == "PASS"
+
+    # a comparison that ran nothing vouches for no run: no record is written or changed
+    before = {p.name: p.read_text() for p in records.iterdir()}
+    assert verify.main([*args, "--no-run"]) == 1
+    assert {p.name: p.read_text() for p in records.iterdir()} == before
+
+
+def test_a_notebook_that_failed_to_run_is_recorded_so_and_an_old_report_can_be_filed(tmp_path, monkeypatch):
+    ref, scratch, records = _copy(tmp_path / "ref"), tmp_path / "verify", tmp_path / "records"
+    new = _copy(tmp_path / "new")
+    _fake_runs(monkeypatch, new, ok=("fig_time_algo",))
+    args = ["--ref", str(ref), "--scratch", str(scratch), "--nb", "fig_synthetic_correlations,fig_time_algo"]
+    assert verify.main(args) == 2
+    report = json.loads((scratch / "report.json").read_text())
+    for key in ("git", "machine", "finished", "others_cpu_share"):  # as a report from before these fields
+        report.pop(key)
+    (tmp_path / "old.json").write_text(json.dumps(report))
+    with pytest.raises(SystemExit):  # where to file it is required
+        verify.main(["--record-from", str(tmp_path / "old.json")])
+    assert verify.main(["--ref", str(ref), "--record", str(records), "--record-from", str(tmp_path / "old.json")]) == 0
+    failed = json.loads((records / "fig_synthetic_correlations.json").read_text())
+    assert failed["result"] == "FAILED TO RUN" and failed["tables"] == []
+    ok = json.loads((records / "fig_time_algo.json").read_text())
+    assert ok["result"] == "PASS" and ok["git"] is None and ok["finished"].endswith("Z")  # the file's time
+
+
 def test_structural_changes_fail(tmp_path):
     ref = pd.read_csv(FIGURES / "tab_synthetic_gaps.csv")
     assert verify.compare_frames("t", ref, ref.iloc[:-1]).status == "FAIL"  # a row lost

@@ -20,13 +20,20 @@ Issue 24 ("a reproduction you can check"). For each notebook the driver
 3. prints one line per table (columns compared, worst margin = ``|new - committed| / tolerance``,
    at most 1 to pass) and every value outside its tolerance, writes ``report.json`` in the
    scratch folder (the results with the commit, data mode and machine they were checked on and
-   when), and exits 1 if any value is outside (2 if a notebook failed to run).
+   when), and exits 1 if any value is outside (2 if a notebook failed to run);
+4. with ``--record DIR`` (``make verify`` passes ``data/verify``), keeps one committed record per
+   notebook, ``DIR/<notebook>.json`` (:func:`notebook_record`): its result, tables, worst margins, every
+   value outside tolerance, wall and CPU time, the share of the cores other processes used meanwhile
+   (:class:`fisherkron.env.OtherLoad`), the data mode, commit and machine, and a checksum of each
+   committed table it was compared with, so the README's verification block
+   (:mod:`fisherkron.experiments.readme.reproduce`) can say which committed tables a run vouches
+   for and which changed since. ``--record-from REPORT`` files an earlier run's ``report.json``.
 
 A committed table of the notebook that the run did not write, a table with other rows or
 columns, and a table the committed folder lacks are reported too (the first two fail).
 
 Command line: ``python -m fisherkron.experiments.verify [--nb NAME ...] [--data fresh|scratch|statistics|shared]
-[--no-run]``; ``make verify [NB=name]`` and ``make verify-quick`` (mk/verify.mk) call it.
+[--no-run] [--record DIR] [--record-from REPORT]``; ``make verify [NB=name]`` and ``make verify-quick`` (mk/verify.mk) call it.
 :func:`compare_frames` is also what ``tests/test_determinism.py`` uses, with every non-timing
 column exact.
 """
@@ -45,13 +52,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..env import REPO_ROOT
+from ..env import REPO_ROOT, OtherLoad, atomic_write, file_checksum
 from . import tolerance as T
 from .execute import execute
 from .execute import rel as _rel
 
 __all__ = ["Failure", "TableReport", "compare_frames", "compare_table", "compare_notebook", "tables_of",
-           "declared_tolerances", "main"]
+           "declared_tolerances", "notebook_record", "write_records", "main"]
 
 _NUM = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
@@ -294,6 +301,53 @@ def compare_notebook(notebook: str, ref_dir: Path, new_dir: Path) -> list[TableR
     return [compare_table(n, ref_dir, new_dir) for n in names]
 
 
+# -- the committed record of each verification ---------------------------------------------------
+#: the version of a record's layout (data/verify/<notebook>.json)
+RECORD_VERSION = 1
+
+
+def notebook_record(notebook: str, report: Mapping[str, Any], ref: Path) -> dict[str, Any]:
+    """What one ``report.json`` (or the run just made) says of ``notebook``: the record ``--record`` keeps.
+
+    ``report`` holds the run-wide fields ``main`` writes (``git``, ``data``, ``machine``,
+    ``finished``, ``seconds``, ``cpu_seconds``, ``others_cpu_share``, ``failed_to_run``) and
+    ``tables``, each an ``asdict(TableReport)``; a field an older report lacks is None. ``ref``:
+    the committed tables, whose checksums the record keeps.
+
+    >>> r = notebook_record("nb", {"tables": [{"name": "t", "notebook": "notebooks/nb.py", "status": "PASS",
+    ...     "columns": 2, "values": 6, "worst": 0.25, "failures": []}], "seconds": {"nb": 9.0}}, Path("/no"))
+    >>> r["result"], r["values"], r["worst"], r["seconds"], r["git"], r["tables"][0]["sha"]
+    ('PASS', 6, 0.25, 9.0, None, None)
+    """
+    tables = [t for t in report.get("tables", []) if t.get("notebook") == f"notebooks/{notebook}.py"]
+    failures = [Failure(**f).line() for t in tables for f in t.get("failures", [])]
+    failed = notebook in report.get("failed_to_run", [])
+    bad = failures or any(t["status"] not in ("PASS", "NEW") for t in tables)
+    result = "FAILED TO RUN" if failed else "FAIL" if bad else "PASS" if tables else "NO TABLE"
+    sha = {t["name"]: file_checksum(ref / f"{t['name']}.csv") if (ref / f"{t['name']}.csv").is_file() else None
+           for t in tables}
+    per = {k: (report.get(k) or {}).get(notebook) for k in ("seconds", "cpu_seconds", "others_cpu_share")}
+    return {"version": RECORD_VERSION, "notebook": notebook, "result": result,
+            "values": sum(int(t.get("values", 0)) for t in tables),
+            "worst": max((float(t.get("worst", 0.0)) for t in tables), default=0.0), "failures": failures,
+            "tables": [{k: t.get(k) for k in ("name", "status", "columns", "values", "worst")}
+                       | {"sha": sha[t["name"]]} for t in tables],
+            **per, **{k: report.get(k) for k in ("data", "git", "machine", "finished")}}
+
+
+def write_records(folder: Path, report: Mapping[str, Any], ref: Path) -> list[Path]:
+    """``folder/<notebook>.json`` for every notebook of ``report`` (written atomically); their paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for n in report.get("notebooks", []):
+        rec = notebook_record(n, report, ref)
+        out.append(atomic_write(folder / f"{n}.json",
+                                lambda t, rec=rec: Path(t).write_text(json.dumps(rec, indent=1, default=str) + "\n",
+                                                                      encoding="utf-8")))
+    return out
+
+
 # -- running ---------------------------------------------------------------------------------
 #: what ``--data statistics`` links in from data/: the expensive inputs that every score is computed
 #: from (calibration statistics, ASVD's sensitivity sweeps, the packaged lm-eval task files, and the
@@ -352,17 +406,30 @@ def main(argv: list[str] | None = None) -> int:
                          "shared = data/ (reads and may add cache entries)")
     ap.add_argument("--no-run", action="store_true", help="compare what the scratch folder holds; run nothing")
     ap.add_argument("--budget", type=float, default=None, help="warn when the runs take longer (seconds)")
+    ap.add_argument("--record", default=None, metavar="DIR",
+                    help="keep each notebook's result in DIR/<notebook>.json (make verify: data/verify)")
+    ap.add_argument("--record-from", default=None, metavar="REPORT",
+                    help="file the results of an earlier run's report.json into --record's folder; run nothing")
     a = ap.parse_args(argv)
     root = REPO_ROOT
+    ref = (root / a.ref) if not Path(a.ref).is_absolute() else Path(a.ref)
+    if a.record_from:
+        if not a.record:
+            ap.error("--record-from needs --record DIR (where the records go)")
+        report = json.loads(Path(a.record_from).read_text(encoding="utf-8"))
+        if not report.get("finished"):  # a report from before it said: the time it was written
+            report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(Path(a.record_from).stat().st_mtime))
+        for p in write_records(Path(a.record), report, ref):
+            print(f"[verify] recorded {_rel(p, root)}")
+        return 0
     names = [n for arg in a.nb for n in re.split(r"[\s,]+", arg) if n] or _all_notebooks(root, "default")
     unknown = [n for n in names if not (root / "notebooks" / f"{n}.py").is_file()]
     if unknown:
         print(f"[verify] no notebook {', '.join(unknown)} in notebooks/", file=sys.stderr)
         return 2
     scratch = (root / a.scratch) if not Path(a.scratch).is_absolute() else Path(a.scratch)
-    ref = (root / a.ref) if not Path(a.ref).is_absolute() else Path(a.ref)
     figdir, nb_build, logs = scratch / "figures", scratch / "notebooks", scratch / "logs"
-    broken, runs, cpus, t_all = [], {}, {}, time.perf_counter()
+    broken, runs, cpus, others, t_all = [], {}, {}, {}, time.perf_counter()
     if not a.no_run:
         for d in (figdir, nb_build, logs):
             shutil.rmtree(d, ignore_errors=True)
@@ -371,10 +438,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[verify] {len(names)} notebook(s) into {_rel(scratch, root)}/ with {what}; committed tables: "
               f"{_rel(ref, root)}/", flush=True)
         for n in names:
-            ok, sec, cpu = execute(n, figdir, nb_build, env=env, root=root, log=logs / f"{n}.log")
+            with OtherLoad() as load:
+                ok, sec, cpu = execute(n, figdir, nb_build, env=env, root=root, log=logs / f"{n}.log")
             runs[n] = round(sec, 1)
             cpus[n] = round(cpu, 1)
-            print(f"[verify] {n}: {'ran' if ok else 'FAILED'} in {sec:.0f} s (CPU {cpu:.0f} s)"
+            others[n] = None if load.share is None else round(load.share, 3)
+            busy = "" if load.share is None else f", other processes {load.share:.0%} of the cores"
+            print(f"[verify] {n}: {'ran' if ok else 'FAILED'} in {sec:.0f} s (CPU {cpu:.0f} s{busy})"
                   + ("" if ok else f" (log {_rel(logs / (n + '.log'), root)}, notebook "
                                    f"{_rel(nb_build / (n + '.failed.ipynb'), root)})"), flush=True)
             if not ok:
@@ -412,10 +482,13 @@ def main(argv: list[str] | None = None) -> int:
     run = {"git": git_commit(root), "data": None if a.no_run else a.data, "ref": _rel(ref, root),
            "machine": {k: v for k, v in machine_info().items() if k in ("cpu", "cpu_count", "torch", "platform")},
            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (scratch / "report.json").write_text(json.dumps(
-        {"notebooks": names, **run, "seconds": runs, "cpu_seconds": cpus, "total_seconds": round(total, 1),
-         "failed_to_run": broken, "tables": [{**asdict(r), "failures": [asdict(f) for f in r.failures]} for r in reports]},
-        indent=1, default=str) + "\n", encoding="utf-8")
+    report = {"notebooks": names, **run, "seconds": runs, "cpu_seconds": cpus, "others_cpu_share": others,
+              "total_seconds": round(total, 1), "failed_to_run": broken,
+              "tables": [{**asdict(r), "failures": [asdict(f) for f in r.failures]} for r in reports]}
+    (scratch / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+    if a.record and runs:  # a run, not a --no-run comparison: what it vouches for is kept
+        for p in write_records(Path(a.record) if Path(a.record).is_absolute() else root / a.record, report, ref):
+            print(f"[verify] recorded {_rel(p, root)}")
     return status
 
 

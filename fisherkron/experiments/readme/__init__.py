@@ -10,8 +10,8 @@ or, inside one line (a table cell), ``<!-- generated:NAME -->253 s<!-- /generate
 Each ``NAME`` has a renderer in one of this package's modules (``layer_studies``, ``encoder``,
 ``decoder``, ``calibration``, ``reproduce``, ``studies``; number formats in ``formats``) that reads only
 committed files -- the tables ``figures/*.csv``, the summary records (the ``"extra"`` of
-``figures/*_summary.provenance.json``) and the ``wall_seconds`` of provenance records -- and
-returns the block's text. A name may carry an argument after a colon (``time:fig_time_algo``).
+``figures/*_summary.provenance.json``) and the ``wall_seconds`` of provenance records, and beside
+``figures/`` the committed ``make verify`` records (``data/verify/``) -- and returns the block's text. A name may carry an argument after a colon (``time:fig_time_algo``).
 
 * :func:`render` rewrites every block of a README text;
 * :func:`check` lists the blocks whose text differs from what the outputs render;

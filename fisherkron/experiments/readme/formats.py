@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from . import Outputs
 
 __all__ = ["MINUS", "ORDINALS", "num", "signed", "pct", "sci", "secs", "dur", "factor", "perplexity", "span",
-           "and_list", "word", "table", "bold", "cpu", "method_name"]
+           "and_list", "word", "table", "bold", "cpu", "machine_name", "method_name"]
 
 MINUS = "\u2212"
 WORDS = ["no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
@@ -104,7 +104,15 @@ def bold(s: str, on: bool) -> str:
 
 def cpu(out: Outputs, name: str) -> str:
     """``"2-core AMD EPYC"``: the machine a record was made on."""
-    m = out.record(name).get("machine", {})
+    return machine_name(out.record(name).get("machine", {}))
+
+
+def machine_name(m: dict) -> str:
+    """``"2-core AMD EPYC"`` from a record's ``machine`` (its ``cpu`` and ``cpu_count``).
+
+    >>> machine_name({"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2})
+    '2-core Intel Xeon'
+    """
     model = re.sub(r"\((R|TM)\)| Processor| CPU", "", str(m.get("cpu"))).strip()  # "Intel(R) Xeon(R) Processor"
     return f"{m.get('cpu_count')}-core {model}"
 

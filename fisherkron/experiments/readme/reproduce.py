@@ -1,11 +1,14 @@
-"""README blocks of "Reproduce the paper": each notebook's run time and their sum, from ``wall_seconds``.
+"""README blocks of "Reproduce the paper": each notebook's run time and their sum, from ``wall_seconds``;
+what ``make verify`` found, from its committed records in ``data/verify/``.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .formats import cpu, secs
+from ...env import file_checksum
+from .formats import and_list, cpu, machine_name, num, pct, secs, table
 
 if TYPE_CHECKING:
     from . import Outputs
@@ -30,4 +33,62 @@ def make_all_time(out: Outputs) -> str:
     return f"{secs(total)} for the {len(nbs)} notebooks{where}"
 
 
-BLOCKS = {"time": notebook_time, "make-all-time": make_all_time}
+# -- Reproduce the paper: what make verify found ------------------------------------------------
+def verify_records(out: Outputs) -> dict[str, dict]:
+    """The committed ``make verify`` records (``data/verify/<notebook>.json`` beside ``figures/``), by notebook."""
+    folder = out.folder.parent / "data" / "verify"
+    return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("*.json"))}
+
+
+def _changed_since(out: Outputs, rec: dict) -> list[str]:
+    """The tables of a record whose committed ``.csv`` is no longer the one it was compared with."""
+    changed = []
+    for t in rec["tables"]:
+        p = out.folder / f"{t['name']}.csv"
+        if t.get("sha") is None or not p.is_file() or file_checksum(p) != t["sha"]:
+            changed.append(t["name"])
+    return changed
+
+
+def verify_record(out: Outputs) -> str:
+    """One row per notebook: what its latest ``make verify`` run found, on what, and how long it took.
+
+    A run vouches for the committed tables it was compared with (their checksums are in its
+    record); a table changed since makes the row say so, and a notebook never verified says
+    that too.
+    """
+    recs = verify_records(out)
+    params = out.folder.parent / "notebooks" / "params"
+    notebooks = sorted(p.name[: -len(".default.yaml")] for p in params.glob("*.default.yaml"))
+    rows, outside, stale = [], [], []
+    for nb in notebooks:
+        rec = recs.get(nb)
+        if rec is None:
+            continue
+        changed = _changed_since(out, rec)
+        if changed:
+            stale.append(nb)
+        worst = "identical" if rec["worst"] == 0 else num(rec["worst"], 2)
+        others = rec.get("others_cpu_share")
+        cores = "not recorded" if others is None else "idle" if others < 0.1 else f"shared ({pct(others)} other work)"
+        git = rec.get("git") or {}
+        commit = (git.get("commit") or "")[:7] + (" (dirty)" if git.get("dirty") else "") if git else "not recorded"
+        when = (rec.get("finished") or "")[:10] or "not recorded"
+        result = rec["result"] + (f" (since then {and_list(f'`{c}`' for c in changed)} changed)" if changed else "")
+        rows.append([f"`{nb}`", result, str(len(rec["tables"])), num(rec["values"]), worst,
+                     rec.get("data") or "not recorded", secs(rec["seconds"]) if rec.get("seconds") else "?", cores,
+                     machine_name(rec["machine"]) if rec.get("machine") else "not recorded", commit, when])
+        outside += [f"* `{nb}`: {f}" for f in rec["failures"]]
+    never = [nb for nb in notebooks if nb not in recs]
+    lines = [table(["notebook", "result", "tables", "values checked", "worst margin", "caches", "wall time",
+                    "cores", "machine", "commit", "finished"], rows) if rows else "No notebook has been verified yet."]
+    lines += ["", f"Values outside their tolerance in these runs: {num(len(outside)) + ':' if outside else 'none.'}",
+              *outside]
+    if stale:
+        lines += ["", f"Verified before a table changed (verify again): {and_list(f'`{n}`' for n in stale)}."]
+    if never:
+        lines += ["", f"Not yet verified: {and_list(f'`{n}`' for n in never)}."]
+    return "\n".join(lines)
+
+
+BLOCKS = {"time": notebook_time, "make-all-time": make_all_time, "verify-record": verify_record}
