@@ -26,10 +26,15 @@ def _cal(out: Outputs) -> dict[tuple, dict]:
 
 
 def calibration_running(out: Outputs) -> str:
-    """How the committed run was made: its wall time and machine."""
+    """How the committed run was made: its wall time and machine, and whether it measured its cost table itself
+    (a run shorter than half of what its cost table adds up to must have read the measurements from its cache)."""
+    wall = out.wall(_CAL)
+    costs = 60 * sum(r["total_min"] for r in out.table("tab_calibration_cost"))
+    how = (f"that read its measurements from the cache (its cost table adds up to {secs(costs)}); from a cold cache "
+           "it collects every setting of the cost table below itself" if wall < 0.5 * costs else
+           f"that collected every setting of its cost table itself ({secs(costs)} of the run)")
     return (f"* **Running it:** the notebook `notebooks/fig_calibration.py`; the committed outputs come from a run of "
-            f"{secs(out.wall(_CAL))} on the {cpu(out, _CAL)} (provenance `wall_seconds`) that reused the cached "
-            "calibrations; from a cold cache it collects every setting of the cost table below itself. Outputs:\n"
+            f"{secs(wall)} on the {cpu(out, _CAL)} (provenance `wall_seconds`) {how}. Outputs:\n"
             "  [table](figures/tab_calibration.md), [cost](figures/tab_calibration_cost.md),\n"
             "  `figures/fig_calibration.png`.")
 
@@ -125,6 +130,22 @@ def calibration_verdicts(out: Outputs) -> str:
     return "\n".join(lines)
 
 
+def _cores(share: float | None, idle: float) -> str:
+    """The cost table's ``others_load`` in words: "idle", "shared (40 %)", or "not recorded" (runs before it was)."""
+    return "not recorded" if share is None else "idle" if share < idle else f"shared ({pct(share)})"
+
+
+def _timed(e2e: list[dict], idle: float) -> str:
+    """What the target's timings were taken on: idle cores, shared ones (an upper bound), or not recorded."""
+    shares = [x.get("others_cpu_share") for x in e2e]
+    if any(s is None for s in shares):
+        return " (whether the cores were idle was not recorded)"
+    if all(s < idle for s in shares):
+        return ", timed on otherwise idle cores"
+    return (f", timed with other processes using up to {pct(max(shares))} of the cores, so these times are upper "
+            "bounds")
+
+
 def _blocks(pattern: str) -> list[str]:
     """The block numbers a layer pattern such as ``model\\.layers\\.(0|15|29)\\..*`` selects."""
     return re.findall(r"\d+", pattern)
@@ -134,6 +155,7 @@ def calibration_cost(out: Outputs) -> str:
     """The cost table (``tab_calibration_cost``) against the target, and where the disk goes."""
     e, p = out.extra(_CAL), {**CAL_TARGETS, **out.params(_CAL)}
     rows = out.table("tab_calibration_cost")
+    idle = p.get("idle_share", 0.1)
     end2end = {round(r["minutes"], 6) for r in e["verdict"]["end2end"]}
     body = []
     for r in sorted(rows, key=lambda r: "collection only" in r["setting"]):  # the collection-only row last
@@ -153,7 +175,7 @@ def calibration_cost(out: Outputs) -> str:
         body.append([label, f"{r['collect_s']:.0f} s ({r['tokens_per_s']:.0f} tok/s)", mff,
                      f"{r['compress_s']:.0f} s" if r["compress_s"] is not None else "",
                      bold(f"{r['total_min']:.1f} min", round(r["total_min"], 6) in end2end),
-                     f"{r['peak_rss_gb']:.1f} GB", f"{r['disk_gb']:.1f} GB"])
+                     f"{r['peak_rss_gb']:.1f} GB", f"{r['disk_gb']:.1f} GB", _cores(r.get("others_load"), idle)])
     e2e = e["verdict"]["end2end"]
     full = next(x for x in e2e if "three" in x["setting"])
     default = next(x for x in e2e if "default" in x["setting"])
@@ -172,12 +194,13 @@ def calibration_cost(out: Outputs) -> str:
         f"* **Cost, against the target at k = {kmax}** ({p['target_minutes']:g} min, {p['target_ram_gb']:g} GB RAM, "
         f"{p['target_disk_gb']:g} GB disk):",
         "",
-        table(["setting", "collection", f"MFF, {len(shapes)} layers", "GFWSVD", "total", "peak RSS", "disk"], body),
+        table(["setting", "collection", f"MFF, {len(shapes)} layers", "GFWSVD", "total", "peak RSS", "disk",
+               "cores"], body),
         "",
         f"  - MFF's products run at {full_row['mff_gflops_per_s']:.0f} GFLOP/s at k = {kmax}, against {peak:.0f} "
         "for this VM type's float32 GEMM (the runtime study's peak).",
         f"  - **Time: {verdict('time')}**, with {num(full['minutes'], 1)} min for the three methods' statistics and "
-        f"{num(default['minutes'], 1)} min on GFWSVD's default path.",
+        f"{num(default['minutes'], 1)} min on GFWSVD's default path{_timed(e2e, idle)}.",
         f"  - **RAM: {verdict('ram')}** ({num(full['peak_gb'], 1)} GB and {num(default['peak_gb'], 1)} GB). Peak RSS "
         "counts the pages of the memory-mapped gradient files, so it grows with k.",
         f"  - **Disk: {verdict('disk')}**{', even on the default path' if not default['met']['disk'] else ''}: "
