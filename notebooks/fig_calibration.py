@@ -43,8 +43,8 @@
 #
 # Everything is `fisherkron.experiments.calibration_study`; this notebook loops and plots. Each
 # record is cached in `data/cache/studies/` as soon as it is measured, so the notebook can be
-# stopped and rerun; it collects every calibration it uses itself (61 minutes on 2 cores
-# from a cold cache).
+# stopped and rerun; it collects every calibration it uses itself (its time from a cold cache:
+# `make help`; a run that reads its records from the cache takes minutes).
 
 # %% tags=["parameters"]
 # Each value: the embedded default (`make fig_calibration`); the paper-scale value in the comment.
