@@ -140,9 +140,18 @@ def test_a_run_keeps_one_record_per_notebook_with_what_it_found(tmp_path, monkey
     assert rec["result"] == "FAIL" and len(rec["failures"]) == 1 and "column 'gap'" in rec["failures"][0]
     assert json.loads((records / "fig_time_algo.json").read_text())["result"] == "PASS"
 
+    # a resumed run says what it resumes: a statistics run's scratch folder still links data/'s calibrations
+    (scratch / "data" / "cache").mkdir(parents=True)
+    (scratch / "data" / "cache" / "calibration").symlink_to(tmp_path)
+    gaps.loc[2, "gap"] -= 4 * gaps.loc[2, "se"]
+    gaps.to_csv(new / "tab_synthetic_gaps.csv", index=False)
+    assert verify.main([*args, "--data", "scratch"]) == 0
+    rec = json.loads((records / "fig_time_algo.json").read_text())
+    assert rec["data"] == "statistics, resumed" and rec["started"] <= rec["finished"]
+
     # a comparison that ran nothing vouches for no run: no record is written or changed
     before = {p.name: p.read_text() for p in records.iterdir()}
-    assert verify.main([*args, "--no-run"]) == 1
+    assert verify.main([*args, "--no-run"]) == 0
     assert {p.name: p.read_text() for p in records.iterdir()} == before
 
 

@@ -19,8 +19,8 @@ Issue 24 ("a reproduction you can check"). For each notebook the driver
    the report names. Timing columns are shown as the median ratio new / committed and never fail;
 3. prints one line per table (columns compared, worst margin = ``|new - committed| / tolerance``,
    at most 1 to pass) and every value outside its tolerance, writes ``report.json`` in the
-   scratch folder (the results with the commit, data mode and machine they were checked on and
-   when), and exits 1 if any value is outside (2 if a notebook failed to run);
+   scratch folder (the results with the commit the run started from, its data mode -- a resumed
+   ``scratch`` run says what it resumes -- the machine, and when it started and finished), and exits 1 if any value is outside (2 if a notebook failed to run);
 4. with ``--record DIR`` (``make verify`` passes ``data/verify``), keeps one committed record per
    notebook, ``DIR/<notebook>.json`` (:func:`notebook_record`): its result, tables, worst margins, every
    value outside tolerance, wall and CPU time, the share of the cores other processes used meanwhile
@@ -332,7 +332,7 @@ def notebook_record(notebook: str, report: Mapping[str, Any], ref: Path) -> dict
             "worst": max((float(t.get("worst", 0.0)) for t in tables), default=0.0), "failures": failures,
             "tables": [{k: t.get(k) for k in ("name", "status", "columns", "values", "worst")}
                        | {"sha": sha[t["name"]]} for t in tables],
-            **per, **{k: report.get(k) for k in ("data", "git", "machine", "finished")}}
+            **per, **{k: report.get(k) for k in ("data", "git", "machine", "started", "finished")}}
 
 
 def write_records(folder: Path, report: Mapping[str, Any], ref: Path) -> list[Path]:
@@ -429,12 +429,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     scratch = (root / a.scratch) if not Path(a.scratch).is_absolute() else Path(a.scratch)
     figdir, nb_build, logs = scratch / "figures", scratch / "notebooks", scratch / "logs"
+    from .figures import git_commit, machine_info
+
+    git_start = git_commit(root)  # the code the notebooks run: a commit landing meanwhile does not change it
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     broken, runs, cpus, others, t_all = [], {}, {}, {}, time.perf_counter()
+    data_mode = None if a.no_run else a.data
     if not a.no_run:
         for d in (figdir, nb_build, logs):
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True)
         env, what = _data_env(a.data, scratch)
+        if a.data == "scratch":  # what the resumed run is: its links say
+            data_mode = "statistics, resumed" if (scratch / "data" / "cache" / "calibration").is_symlink() \
+                else "scratch (resumed)"
         print(f"[verify] {len(names)} notebook(s) into {_rel(scratch, root)}/ with {what}; committed tables: "
               f"{_rel(ref, root)}/", flush=True)
         for n in names:
@@ -476,12 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.budget and runs and total > a.budget:
         print(f"[verify] WARNING: took {total:.0f} s, over the {a.budget:.0f} s budget", file=sys.stderr)
     scratch.mkdir(parents=True, exist_ok=True)
-    from .figures import git_commit, machine_info
-
     # what a reader of the report needs to know what was checked: the code, the caches, the machine, when
-    run = {"git": git_commit(root), "data": None if a.no_run else a.data, "ref": _rel(ref, root),
+    run = {"git": git_start, "data": data_mode, "ref": _rel(ref, root),
            "machine": {k: v for k, v in machine_info().items() if k in ("cpu", "cpu_count", "torch", "platform")},
-           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+           "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     report = {"notebooks": names, **run, "seconds": runs, "cpu_seconds": cpus, "others_cpu_share": others,
               "total_seconds": round(total, 1), "failed_to_run": broken,
               "tables": [{**asdict(r), "failures": [asdict(f) for f in r.failures]} for r in reports]}
