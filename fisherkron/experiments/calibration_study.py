@@ -236,12 +236,14 @@ def _measure_here(spec: dict) -> dict:
 
 def _partial_keys(root: Path) -> set[str]:
     """The keys of the interrupted collections under ``root`` (a collection that resumes one is not timed whole)."""
+    from ..hf.calibration.folders import INFO, PARTIAL_SUFFIX
+
     keys = set()
-    for p in root.glob("*.partial"):
+    for p in root.glob(f"*{PARTIAL_SUFFIX}"):
         try:
-            keys.add(json.loads((p / "partial.json").read_text())["key"])
+            keys.add(json.loads((p / INFO).read_text())["key"])
         except (OSError, ValueError, KeyError, TypeError):
-            keys.add(p.name[: -len(".partial")])
+            keys.add(p.name[: -len(PARTIAL_SUFFIX)])
     return keys
 
 

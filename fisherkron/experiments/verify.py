@@ -357,6 +357,16 @@ def write_records(folder: Path, report: Mapping[str, Any], ref: Path) -> list[Pa
 STATISTICS_CACHES = ("hf_home", "cache/calibration", "cache/allocation", "cache/lm_eval_tasks", "cache/finetune")
 
 
+def _utc(t: float | None = None) -> str:
+    """``2026-11-25T14:16:17Z``: a report's times (now, or the epoch seconds ``t``)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _resumes_statistics(scratch: Path) -> bool:
+    """Whether ``scratch`` holds a ``statistics`` run (its calibration cache is still a link to data/)."""
+    return (scratch / "data" / "cache" / "calibration").is_symlink()
+
+
 def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
     env = dict(os.environ)
     if mode == "shared":
@@ -370,7 +380,7 @@ def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
     models = models_root()
     env.pop("FISHERKRON_MODELS", None)
     # ``scratch`` after a ``statistics`` run resumes it as one (its calibration link is still there)
-    statistics = mode == "statistics" or (mode == "scratch" and (data / "cache" / "calibration").is_symlink())
+    statistics = mode == "statistics" or (mode == "scratch" and _resumes_statistics(scratch))
     if statistics:  # the model from its own path, which the calibration keys hash (env.models_root)
         env["FISHERKRON_MODELS"] = str(models)
     linked = STATISTICS_CACHES if statistics else ("models",)
@@ -418,8 +428,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--record-from needs --record DIR (where the records go)")
         report = json.loads(Path(a.record_from).read_text(encoding="utf-8"))
         if not report.get("finished"):  # a report from before it said: the time it was written
-            report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(Path(a.record_from).stat().st_mtime))
-        for p in write_records(Path(a.record), report, ref):
+            report["finished"] = _utc(Path(a.record_from).stat().st_mtime)
+        for p in write_records(root / a.record, report, ref):  # an absolute DIR stays itself
             print(f"[verify] recorded {_rel(p, root)}")
         return 0
     names = [n for arg in a.nb for n in re.split(r"[\s,]+", arg) if n] or _all_notebooks(root, "default")
@@ -432,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     from .figures import git_commit, machine_info
 
     git_start = git_commit(root)  # the code the notebooks run: a commit landing meanwhile does not change it
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    started = _utc()
     broken, runs, cpus, others, t_all = [], {}, {}, {}, time.perf_counter()
     data_mode = None if a.no_run else a.data
     if not a.no_run:
@@ -441,8 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             d.mkdir(parents=True)
         env, what = _data_env(a.data, scratch)
         if a.data == "scratch":  # what the resumed run is: its links say
-            data_mode = "statistics, resumed" if (scratch / "data" / "cache" / "calibration").is_symlink() \
-                else "scratch (resumed)"
+            data_mode = "statistics, resumed" if _resumes_statistics(scratch) else "scratch (resumed)"
         print(f"[verify] {len(names)} notebook(s) into {_rel(scratch, root)}/ with {what}; committed tables: "
               f"{_rel(ref, root)}/", flush=True)
         for n in names:
@@ -487,13 +496,13 @@ def main(argv: list[str] | None = None) -> int:
     # what a reader of the report needs to know what was checked: the code, the caches, the machine, when
     run = {"git": git_start, "data": data_mode, "ref": _rel(ref, root),
            "machine": {k: v for k, v in machine_info().items() if k in ("cpu", "cpu_count", "torch", "platform")},
-           "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+           "started": started, "finished": _utc()}
     report = {"notebooks": names, **run, "seconds": runs, "cpu_seconds": cpus, "others_cpu_share": others,
               "total_seconds": round(total, 1), "failed_to_run": broken,
               "tables": [{**asdict(r), "failures": [asdict(f) for f in r.failures]} for r in reports]}
     (scratch / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
     if a.record and runs:  # a run, not a --no-run comparison: what it vouches for is kept
-        for p in write_records(Path(a.record) if Path(a.record).is_absolute() else root / a.record, report, ref):
+        for p in write_records(root / a.record, report, ref):
             print(f"[verify] recorded {_rel(p, root)}")
     return status
 
