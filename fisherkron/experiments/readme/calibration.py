@@ -7,7 +7,7 @@ import re
 import statistics
 from typing import TYPE_CHECKING
 
-from .formats import and_list, bold, cpu, method_name, num, pct, sci, secs, table
+from .formats import and_list, bold, cores, cpu, method_name, num, pct, sci, secs, table
 
 if TYPE_CHECKING:
     from . import Outputs
@@ -130,11 +130,6 @@ def calibration_verdicts(out: Outputs) -> str:
     return "\n".join(lines)
 
 
-def _cores(share: float | None, idle: float) -> str:
-    """The cost table's ``others_load`` in words: "idle", "shared (40 %)", or "not recorded" (runs before it was)."""
-    return "not recorded" if share is None else "idle" if share < idle else f"shared ({pct(share)})"
-
-
 def _timed(e2e: list[dict], idle: float) -> str:
     """What the target's timings were taken on: idle cores, shared ones (an upper bound), or not recorded."""
     shares = [x.get("others_cpu_share") for x in e2e]
@@ -175,7 +170,7 @@ def calibration_cost(out: Outputs) -> str:
         body.append([label, f"{r['collect_s']:.0f} s ({r['tokens_per_s']:.0f} tok/s)", mff,
                      f"{r['compress_s']:.0f} s" if r["compress_s"] is not None else "",
                      bold(f"{r['total_min']:.1f} min", round(r["total_min"], 6) in end2end),
-                     f"{r['peak_rss_gb']:.1f} GB", f"{r['disk_gb']:.1f} GB", _cores(r.get("others_load"), idle)])
+                     f"{r['peak_rss_gb']:.1f} GB", f"{r['disk_gb']:.1f} GB", cores(r.get("others_load"), idle)])
     e2e = e["verdict"]["end2end"]
     full = next(x for x in e2e if "three" in x["setting"])
     default = next(x for x in e2e if "default" in x["setting"])

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from . import Outputs
 
 __all__ = ["MINUS", "ORDINALS", "num", "signed", "pct", "sci", "secs", "dur", "factor", "perplexity", "span",
-           "and_list", "word", "table", "bold", "cpu", "machine_name", "method_name"]
+           "and_list", "word", "table", "bold", "cpu", "cores", "machine_name", "method_name"]
 
 MINUS = "\u2212"
 WORDS = ["no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
@@ -105,6 +105,15 @@ def bold(s: str, on: bool) -> str:
 def cpu(out: Outputs, name: str) -> str:
     """``"2-core AMD EPYC"``: the machine a record was made on."""
     return machine_name(out.record(name).get("machine", {}))
+
+
+def cores(share: float | None, idle: float = 0.1) -> str:
+    """The share of the cores other processes used during a timing, in words (``fisherkron.env.OtherLoad``).
+
+    >>> cores(None), cores(0.02), cores(0.4)
+    ('not recorded', 'idle', 'shared (40 % other work)')
+    """
+    return "not recorded" if share is None else "idle" if share < idle else f"shared ({pct(share)} other work)"
 
 
 def machine_name(m: dict) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...env import file_checksum
-from .formats import and_list, cpu, machine_name, num, pct, secs, table
+from .formats import and_list, cores, cpu, machine_name, num, secs, table
 
 if TYPE_CHECKING:
     from . import Outputs
@@ -69,15 +69,14 @@ def verify_record(out: Outputs) -> str:
         if changed:
             stale.append(nb)
         worst = "" if not rec["tables"] else "identical" if rec["worst"] == 0 else num(rec["worst"], 2)
-        others = rec.get("others_cpu_share")
-        cores = "not recorded" if others is None else "idle" if others < 0.1 else f"shared ({pct(others)} other work)"
         git = rec.get("git") or {}
         commit = (git.get("commit") or "")[:7] + (" (dirty)" if git.get("dirty") else "") if git else "not recorded"
         when = (rec.get("finished") or "")[:10] or "not recorded"
         result = {"NO TABLE": "ran without error (it writes no table)"}.get(rec["result"], rec["result"])
         result += f" (since then {and_list(f'`{c}`' for c in changed)} changed)" if changed else ""
         rows.append([f"`{nb}`", result, str(len(rec["tables"])), num(rec["values"]), worst,
-                     rec.get("data") or "not recorded", secs(rec["seconds"]) if rec.get("seconds") else "?", cores,
+                     rec.get("data") or "not recorded", secs(rec["seconds"]) if rec.get("seconds") else "?",
+                     cores(rec.get("others_cpu_share")),
                      machine_name(rec["machine"]) if rec.get("machine") else "not recorded", commit, when])
         outside += [f"* `{nb}`: {f}" for f in rec["failures"]]
     never = [nb for nb in notebooks if nb not in recs]
