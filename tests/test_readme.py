@@ -229,7 +229,14 @@ def test_the_verify_block_says_what_each_run_found_and_which_tables_changed_sinc
     text = render(readme.Outputs(figs))
     assert "| `nb_a` | PASS | 1 | 2 | 0.50 | fresh | 13 min | idle | 2-core AMD EPYC | 0123456 | 2026-11-25 |" in text
     assert "outside their tolerance in these runs: none." in text and "Not yet verified: `nb_b`." in text
-    assert "verify again" not in text
+    assert "verify again" not in text and "another CPU model" not in text
+
+    # the committed table written on another CPU model than the verify ran on: the block says so
+    (figs / "tab_a.provenance.json").write_text(json.dumps({"machine": {"cpu": "Intel(R) Xeon(R) Processor"}}))
+    assert "another CPU model" in render(readme.Outputs(figs)) and "(AMD EPYC against Intel Xeon)" in \
+        render(readme.Outputs(figs))
+    (figs / "tab_a.provenance.json").write_text(json.dumps({"machine": {"cpu": "AMD EPYC"}}))
+    assert "another CPU model" not in render(readme.Outputs(figs))
 
     (figs / "tab_a.csv").write_text("x,y\n1,3\n")  # the table regenerated after the run: the run no longer vouches
     text = render(readme.Outputs(figs))

@@ -116,14 +116,22 @@ def cores(share: float | None, idle: float = 0.1) -> str:
     return "not recorded" if share is None else "idle" if share < idle else f"shared ({pct(share)} other work)"
 
 
+def cpu_model(m: dict) -> str:
+    """``"Intel Xeon"`` from a record's ``machine`` (its ``cpu``, trademarks and "Processor" dropped).
+
+    >>> cpu_model({"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2})
+    'Intel Xeon'
+    """
+    return re.sub(r"\((R|TM)\)| Processor| CPU", "", str(m.get("cpu"))).strip()
+
+
 def machine_name(m: dict) -> str:
     """``"2-core AMD EPYC"`` from a record's ``machine`` (its ``cpu`` and ``cpu_count``).
 
     >>> machine_name({"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2})
     '2-core Intel Xeon'
     """
-    model = re.sub(r"\((R|TM)\)| Processor| CPU", "", str(m.get("cpu"))).strip()  # "Intel(R) Xeon(R) Processor"
-    return f"{m.get('cpu_count')}-core {model}"
+    return f"{m.get('cpu_count')}-core {cpu_model(m)}"
 
 
 def method_name(key: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...env import file_checksum
-from .formats import and_list, cores, cpu, machine_name, num, secs, table
+from .formats import and_list, cores, cpu, cpu_model, machine_name, num, secs, table
 
 if TYPE_CHECKING:
     from . import Outputs
@@ -50,6 +50,21 @@ def _changed_since(out: Outputs, rec: dict) -> list[str]:
     return changed
 
 
+def _other_cpu(out: Outputs, rec: dict) -> str | None:
+    """``"Intel Xeon against AMD EPYC"`` when a verify ran on another CPU model than the one that wrote the
+    committed tables it was compared with (their provenance records say which), else None.
+
+    float32 results differ in the last bits between CPU models, so such a run also shows that the
+    tables' tolerances hold across them.
+    """
+    if not rec.get("machine"):
+        return None
+    here = cpu_model(rec["machine"])
+    wrote = {cpu_model(out.record(t["name"]).get("machine", {})) for t in rec["tables"] if (out.folder / f"{t['name']}.provenance.json").is_file()}
+    wrote.discard(here)
+    return f"{here} against {and_list(sorted(wrote))}" if wrote else None
+
+
 def verify_record(out: Outputs) -> str:
     """One row per notebook: what its latest ``make verify`` run found, on what, and how long it took.
 
@@ -60,7 +75,7 @@ def verify_record(out: Outputs) -> str:
     recs = verify_records(out)
     params = out.folder.parent / "notebooks" / "params"
     notebooks = sorted(p.name[: -len(".default.yaml")] for p in params.glob("*.default.yaml"))
-    rows, outside, stale = [], [], []
+    rows, outside, stale, crossed = [], [], [], []
     for nb in notebooks:
         rec = recs.get(nb)
         if rec is None:
@@ -79,11 +94,16 @@ def verify_record(out: Outputs) -> str:
                      cores(rec.get("others_cpu_share")),
                      machine_name(rec["machine"]) if rec.get("machine") else "not recorded", commit, when])
         outside += [f"* `{nb}`: {f}" for f in rec["failures"]]
+        if (other := _other_cpu(out, rec)) is not None:
+            crossed.append(f"`{nb}` ({other})")
     never = [nb for nb in notebooks if nb not in recs]
     lines = [table(["notebook", "result", "tables", "values checked", "worst margin", "caches", "wall time",
                     "cores", "machine", "commit", "finished"], rows) if rows else "No notebook has been verified yet."]
     lines += ["", f"Values outside their tolerance in these runs: {num(len(outside)) + ':' if outside else 'none.'}",
               *outside]
+    if crossed:
+        lines += ["", f"Verified on another CPU model than the one that wrote the committed tables (float32 "
+                      f"results differ in their last bits between models): {and_list(crossed)}."]
     if stale:
         lines += ["", f"Verified before a table changed (verify again): {and_list(f'`{n}`' for n in stale)}."]
     if never:
