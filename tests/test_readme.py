@@ -99,7 +99,8 @@ def test_a_changed_table_fails_the_readme_until_it_is_rendered_again(tmp_path):
     table.write_text("\n".join(rows))
 
     names = {p.split("'")[1] for p in readme.check(_text(), figures)}
-    assert names == {"rank-allocation", "rank-allocation-headline", "rank-allocation-verdicts"}
+    # the verify block too: fig_rank_allocation's record vouches for the table as it was committed
+    assert names == {"rank-allocation", "rank-allocation-headline", "rank-allocation-verdicts", "verify-record"}
     fixed = readme.render(_text(), figures)
     assert readme.check(fixed, figures) == []
     assert "| GFWSVD | sensitivity (the paper's) | **88** | 172 |" in _block(fixed, "rank-allocation")
@@ -246,4 +247,7 @@ def test_the_verify_block_says_what_each_run_found_and_which_tables_changed_sinc
     (tmp_path / "data" / "verify" / "nb_a.json").write_text(json.dumps(rec))
     text = render(readme.Outputs(figs))
     assert "shared (40 % other work)" in text
+    rec.update(worst=float("inf"))  # an exact column (a count) changed: its margin is infinite
+    (tmp_path / "data" / "verify" / "nb_a.json").write_text(json.dumps(rec))
+    assert "| FAIL (since then `tab_a` changed) | 1 | 2 | an exact value differs |" in render(readme.Outputs(figs))
     assert "in these runs: 1:\n* `nb_a`: tab_a row 1 (1) column 'y': committed 2, now 3" in text

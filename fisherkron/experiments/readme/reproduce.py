@@ -83,7 +83,8 @@ def verify_record(out: Outputs) -> str:
         changed = _changed_since(out, rec)
         if changed:
             stale.append(nb)
-        worst = "" if not rec["tables"] else "identical" if rec["worst"] == 0 else num(rec["worst"], 2)
+        worst = ("" if not rec["tables"] else "identical" if rec["worst"] == 0
+                 else "an exact value differs" if rec["worst"] == float("inf") else num(rec["worst"], 2))
         git = rec.get("git") or {}
         commit = (git.get("commit") or "")[:7] + (" (dirty)" if git.get("dirty") else "") if git else "not recorded"
         when = (rec.get("finished") or "")[:10] or "not recorded"
