@@ -41,7 +41,8 @@ for n in setup.names:
     a, b = out[1]["curves"][n], out[2]["curves"][n]
     keep = np.abs(b) > 1e-6 * np.abs(b).max()
     rel.append(np.max(np.abs(a - b)[keep] / np.abs(b)[keep]))
-print(f"tol {tol}: curve rel. difference 1 vs 2 threads: median {np.median(rel):.2e}, 90th pct {np.percentile(rel, 90):.2e}, max {max(rel):.2e}")
+print(f"tol {tol}: curve rel. difference 1 vs 2 threads: median {np.median(rel):.2e}, "
+      f"90th pct {np.percentile(rel, 90):.2e}, max {max(rel):.2e}")
 for ratio in (0.1, 0.2):
     d = sum(out[1][ratio].get(n) != out[2][ratio].get(n) for n in setup.names)
     print(f"tol {tol} ratio {ratio}: {d} of {len(setup.names)} ranks differ")

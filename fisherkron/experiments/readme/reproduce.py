@@ -54,13 +54,14 @@ def _other_cpu(out: Outputs, rec: dict) -> str | None:
     """``"Intel Xeon against AMD EPYC"`` when a verify ran on another CPU model than the one that wrote the
     committed tables it was compared with (their provenance records say which), else None.
 
-    float32 results differ in the last bits between CPU models, so such a run also shows that the
-    tables' tolerances hold across them.
+    float32 results differ in the last bits between CPU models, so such a run also tests the tables'
+    tolerances across them.
     """
     if not rec.get("machine"):
         return None
     here = cpu_model(rec["machine"])
-    wrote = {cpu_model(out.record(t["name"]).get("machine", {})) for t in rec["tables"] if (out.folder / f"{t['name']}.provenance.json").is_file()}
+    wrote = {cpu_model(out.record(t["name"]).get("machine", {})) for t in rec["tables"]
+             if (out.folder / f"{t['name']}.provenance.json").is_file()}
     wrote.discard(here)
     return f"{here} against {and_list(sorted(wrote))}" if wrote else None
 
