@@ -20,7 +20,8 @@ Issue 24 ("a reproduction you can check"). For each notebook the driver
 3. prints one line per table (columns compared, worst margin = ``|new - committed| / tolerance``,
    at most 1 to pass) and every value outside its tolerance, writes ``report.json`` in the
    scratch folder (the results with the commit the run started from, its data mode -- a resumed
-   ``scratch`` run says what it resumes -- the machine, and when it started and finished), and exits 1 if any value is outside (2 if a notebook failed to run);
+   ``scratch`` run says what it resumes -- the machine, and when it started and finished), and
+   exits 1 if any value is outside (2 if a notebook failed to run);
 4. with ``--record DIR`` (``make verify`` passes ``data/verify``), keeps one committed record per
    notebook, ``DIR/<notebook>.json`` (:func:`notebook_record`): its result, tables, worst margins, every
    value outside tolerance, wall and CPU time, the share of the cores other processes used meanwhile
@@ -488,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + f.line())
     status = 2 if broken else (1 if failures else 0)
     print(f"[verify] {'FAILED' if status else 'OK'}: {len(reports)} table(s) of {len(names)} notebook(s), "
-          f"{len(failures)} value(s) outside tolerance" + (f", {len(broken)} notebook(s) failed to run" if broken else "")
+          f"{len(failures)} value(s) outside tolerance"
+          + (f", {len(broken)} notebook(s) failed to run" if broken else "")
           + (f"; {total:.0f} s wall, {sum(cpus.values()):.0f} s CPU on {os.cpu_count()} cores" if runs else ""))
     if a.budget and runs and total > a.budget:
         print(f"[verify] WARNING: took {total:.0f} s, over the {a.budget:.0f} s budget", file=sys.stderr)
