@@ -78,6 +78,26 @@ def test_mff_equals_dense_top_triplet(threads, dtype):
     assert abs(float(res.sigma[0]) - float(S[0])) <= bar * float(S[0])
 
 
+def test_float64_mff_is_independent_of_the_thread_count():
+    """float64 MFF gives the same factors at 1 and 2 threads to round-off (the ``fisher`` allocation's need).
+
+    Measured on a 2-core Intel Xeon: 3e-16 relative at float64, 1.4e-7 at float32 (the summation
+    order alone); an exact knapsack over Theorem 1's curves turned float32's differences into
+    other ranks (``scripts/allocation_reproducibility.py``). The bar, 1e-12, is far above float64's
+    round-off for these sizes and far below float32's.
+    """
+    G = torch.randn(8, 300, 200, generator=torch.Generator().manual_seed(0))  # large enough to split the GEMMs
+    old, got = torch.get_num_threads(), {}
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got[t] = fk.mff(G, dtype=torch.float64, tol=1e-4)
+    finally:
+        torch.set_num_threads(old)
+    assert got[1].matvecs == got[2].matvecs
+    assert rel_error(got[1].A, got[2].A) < 1e-12 and rel_error(got[1].B, got[2].B) < 1e-12
+
+
 @pytest.mark.parametrize("preset,want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
 def test_openmp_threads_wait_passively_unless_the_user_chose(preset, want):
     """fisherkron sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (README, "Threads")."""
