@@ -36,7 +36,10 @@
 # Calibration: C4 documents (first `calib_docs`), `k` batches; the sensitivity sweep uses
 # held-out batches from the remaining C4 documents. Nothing the allocation sees comes from the
 # evaluation texts (PTB test, Wikipedia articles). All of it is `fisherkron.hf.allocation` and
-# `fisherkron.experiments.rank_allocation`; this notebook loops and plots.
+# `fisherkron.experiments.rank_allocation`; this notebook loops and plots. MFF computes in float64
+# here (`mff_dtype`): in float32 its factors, and so Theorem 1's curves, moved in their fourth or
+# fifth digit with the summation order alone, and the exact knapsack of the `fisher` allocation
+# turned those near-ties into other ranks on another CPU (`scripts/allocation_reproducibility.py`).
 #
 # **How to read.** Fig. `fig_rank_allocation`: PTB perplexity (log scale) against the achieved
 # whole-model ratio, one panel per method, one line per strategy; the dashed line is the
@@ -68,6 +71,7 @@ sens_ratios = [0.3, 0.6, 0.9]  # candidate per-layer ratios of the sweep (3 x 21
 validation_layers = 24  # layers of the prediction check (every 210/24-th); paper: 64
 validation_ratios = [0.3, 0.6, 0.9]  # per-layer ratios of the prediction check; paper: same
 mff_tol = 1e-4  # MFF's target error; paper: 1e-4
+mff_dtype = "float64"  # MFF's GEMMs; float64 keeps the fisher allocation independent of summation order; paper: same
 target_10 = 2.0  # issue target: best GFWSVD PTB perplexity at 10 % within this factor of dense
 target_20 = 6.0  # ... and at 20 %
 
@@ -87,11 +91,11 @@ params = {k_: v for k_, v in dict(globals()).items()
           if k_ in ("profile", "model_name", "k", "batch_size", "seq_len", "heldout_k", "calib_docs", "layers",
                     "eval_tokens", "eval_seq_len", "full_methods", "full_ratios", "other_methods", "other_ratios",
                     "strategies", "sensitivity_methods", "sens_ratios", "validation_layers", "validation_ratios",
-                    "mff_tol")}
+                    "mff_tol", "mff_dtype")}
 setup = rank_allocation.prepare(model_name, k=k, batch_size=batch_size, seq_len=seq_len, heldout_k=heldout_k,
                                 calib_docs=calib_docs, layers=layers, eval_tokens=eval_tokens or 10**9,
                                 eval_seq_len=eval_seq_len, sens_ratios=sens_ratios,
-                                mff_options={"tol": mff_tol}, progress=True)
+                                mff_options={"tol": mff_tol, "dtype": mff_dtype}, progress=True)
 print(f"{len(setup.names)} layers, k = {setup.stats.k}; uncompressed: PTB {setup.base['ppl_ptb']:.2f}, "
       f"Wikipedia {setup.base['ppl_wiki']:.2f}, held-out calibration loss {setup.base['heldout_loss']:.4f}")
 

@@ -294,3 +294,13 @@ def test_prefix_replay_switches_itself_off_where_it_cannot_hold():
     with torch.no_grad():
         want = float(model(batches[0]).pow(2).mean())
     assert replay.loss(model, "2") == pytest.approx(want)
+
+
+def test_rank_allocation_study_takes_the_mff_dtype_by_name():
+    """The notebook's ``mff_dtype`` reaches MFF as a torch dtype; an unknown one fails before the model loads."""
+    from fisherkron.experiments import rank_allocation
+
+    assert rank_allocation._mff_options({"tol": 1e-4, "dtype": "float64"}) == {"tol": 1e-4, "dtype": torch.float64}
+    assert rank_allocation._mff_options(None) == {}
+    with pytest.raises(ValueError, match="MFF computes in float32 or float64"):
+        rank_allocation.prepare("no-such-model", mff_options={"dtype": "float16"})

@@ -22,10 +22,31 @@ import torch
 
 from ..env import atomic_write, data_root
 
-__all__ = ["Setup", "prepare", "run_case", "validate_predictions", "CODE_VERSION"]
+__all__ = ["Setup", "prepare", "run_case", "validate_predictions", "CODE_VERSION", "MFF_DTYPES"]
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "rank-allocation-3"  # 2: rows carry sweep_seconds; 3: fwsvd is the input-side form
+#: the dtypes MFF's GEMMs run in, by the name a notebook parameter gives (``mff_options={"dtype": "float64"}``)
+MFF_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _mff_options(options: dict | None) -> dict:
+    """``options`` for :func:`fisherkron.mff`, a ``dtype`` given by name made the torch dtype; one-line error else.
+
+    float64 GEMMs leave MFF's factors independent of the summation order to round-off (float32's
+    differ in their 4th-5th digit between 1 and 2 threads on SmolLM2), so the exact knapsack of the
+    ``fisher`` allocation picks the same ranks from the same gradients on any thread count
+    (``scripts/allocation_reproducibility.py``).
+
+    >>> _mff_options({"tol": 1e-4, "dtype": "float64"})
+    {'tol': 0.0001, 'dtype': torch.float64}
+    """
+    out = dict(options or {})
+    if isinstance(out.get("dtype"), str):
+        if out["dtype"] not in MFF_DTYPES:
+            raise ValueError(f"mff_options dtype {out['dtype']!r}: MFF computes in {' or '.join(MFF_DTYPES)}")
+        out["dtype"] = MFF_DTYPES[out["dtype"]]
+    return out
 
 
 @dataclass
@@ -64,6 +85,7 @@ def prepare(model_name: str = "smollm2", *, k: int = 4, batch_size: int = 2, seq
     does not use."""
     from .. import hf
 
+    mff = _mff_options(mff_options)  # a bad dtype fails before the model loads
     model, tok = hf.load_model(model_name)
     docs = hf.c4_documents()
     if calib_docs >= len(docs):
@@ -81,7 +103,7 @@ def prepare(model_name: str = "smollm2", *, k: int = 4, batch_size: int = 2, seq
     key = hashlib.blake2b(json.dumps(cfg, default=str).encode(), digest_size=12).hexdigest()
     setup = Setup(model, tok, stats, heldout, list(stats.layers), eval_ids, eval_seq_len, key=key,
                   results_path=data_root() / "cache" / "studies" / f"rank_allocation-{key}.json",
-                  sens_ratios=tuple(sens_ratios), mff_options=dict(mff_options or {}))
+                  sens_ratios=tuple(sens_ratios), mff_options=mff)
     setup.base = _cached(setup, "dense", lambda: _score(setup, model))
     return setup
 
