@@ -99,8 +99,15 @@ def test_a_changed_table_fails_the_readme_until_it_is_rendered_again(tmp_path):
     table.write_text("\n".join(rows))
 
     names = {p.split("'")[1] for p in readme.check(_text(), figures)}
-    # the verify block too: fig_rank_allocation's record vouches for the table as it was committed
-    assert names == {"rank-allocation", "rank-allocation-headline", "rank-allocation-verdicts", "verify-record"}
+    # the verify block too while fig_rank_allocation's record vouches for the table as it was committed (once
+    # the table changed after its verify, the block already says so and an edit changes nothing there)
+    import json
+    from fisherkron.env import file_checksum
+    rec = json.loads((ROOT / "data" / "verify" / "fig_rank_allocation.json").read_text())
+    vouches = {t["name"]: t["sha"] for t in rec["tables"]}["tab_rank_allocation"] == file_checksum(
+        FIGURES / "tab_rank_allocation.csv")
+    assert names == {"rank-allocation", "rank-allocation-headline", "rank-allocation-verdicts"} | (
+        {"verify-record"} if vouches else set())
     fixed = readme.render(_text(), figures)
     assert readme.check(fixed, figures) == []
     assert "| GFWSVD | sensitivity (the paper's) | **88** | 172 |" in _block(fixed, "rank-allocation")
@@ -251,3 +258,22 @@ def test_the_verify_block_says_what_each_run_found_and_which_tables_changed_sinc
     (tmp_path / "data" / "verify" / "nb_a.json").write_text(json.dumps(rec))
     assert "| FAIL (since then `tab_a` changed) | 1 | 2 | an exact value differs |" in render(readme.Outputs(figs))
     assert "in these runs: 1:\n* `nb_a`: tab_a row 1 (1) column 'y': committed 2, now 3" in text
+
+
+def test_the_rank_allocation_setup_says_whether_its_run_computed_its_cases(tmp_path):
+    """A run shorter than half of its cases' compression times read them from the cache and says so; a longer one
+    computed them (the block once said "other studies shared the cores" of a 2-minute run from the cache)."""
+    import json
+
+    figs = _figures_copy(tmp_path)
+    rec_file = figs / "fig_rank_allocation_summary.provenance.json"  # the record the block reads its time from
+    rec = json.loads(rec_file.read_text())
+    compress = sum(r["compress_seconds"] for r in readme.Outputs(figs).table("tab_rank_allocation"))
+
+    def setup(wall):
+        rec_file.write_text(json.dumps({**rec, "wall_seconds": wall}))
+        return readme.renderers()["rank-allocation-setup"](readme.Outputs(figs))
+
+    cached, computed = setup(0.4 * compress), setup(1.5 * compress)
+    assert "read its cases from the cache" in cached and "other studies shared" not in cached
+    assert "read its cases from the cache" not in computed and "other studies shared the cores" in computed
