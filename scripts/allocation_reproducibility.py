@@ -29,7 +29,7 @@ setup = ra.prepare("smollm2", k=4, batch_size=2, seq_len=256, heldout_k=1, calib
                    eval_seq_len=512, sens_ratios=(0.3, 0.6, 0.9), mff_options={"tol": 1e-4})
 setup.stats._read_factors = lambda *a, **k: None
 setup.stats._keep_factors = lambda *a, **k: None
-opts = {"tol": tol, "dtype": {"float32": torch.float32, "float64": torch.float64}[dtype]}
+opts = ra._mff_options({"tol": tol, "dtype": dtype})  # the notebook's mff_dtype, by name
 out = {}
 for threads in (2, 1):
     torch.set_num_threads(threads)
