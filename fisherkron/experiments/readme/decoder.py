@@ -140,7 +140,7 @@ def _ra_run(out: Outputs, t: dict) -> str:
     if wall < compress / 2:
         return (f"{where}) for the committed run, which read its cases from the cache (their compression alone "
                 f"took {secs(compress)} when they were computed)")
-    return f"{where}; other studies shared the cores)"
+    return f"{where}; the record does not say whether other work shared the cores)"
 
 
 def rank_allocation(out: Outputs) -> str:
