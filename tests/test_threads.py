@@ -5,6 +5,8 @@ order in which float32 round-off accumulates (as a different CPU's kernels do).
 The tolerances of :mod:`fisherkron.testing` scale with the length and magnitude of
 those sums, so each check here must pass with either count.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -14,15 +16,22 @@ from fisherkron.testing import (MFF_F32_REL, MFF_F64_REL, assert_close_f32, dens
 from test_calibration import check_statistics_equal_autograd
 
 
+@contextlib.contextmanager
+def _num_threads(n: int):
+    """``torch.set_num_threads(n)`` inside the block; the old count restored afterwards."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.fixture(params=[1, 2], ids=lambda t: f"{t}thread")
 def threads(request):
     """Run the test with ``torch.set_num_threads(request.param)``; restore the old count afterwards."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    try:
-        yield request.param
-    finally:
-        torch.set_num_threads(old)
+    with _num_threads(request.param) as n:
+        yield n
 
 
 @pytest.mark.parametrize("kind", ["llama", "bert"])
@@ -87,13 +96,10 @@ def test_float64_mff_is_independent_of_the_thread_count():
     round-off for these sizes and far below float32's.
     """
     G = torch.randn(8, 300, 200, generator=torch.Generator().manual_seed(0))  # large enough to split the GEMMs
-    old, got = torch.get_num_threads(), {}
-    try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
+    got = {}
+    for t in (1, 2):
+        with _num_threads(t):
             got[t] = fk.mff(G, dtype=torch.float64, tol=1e-4)
-    finally:
-        torch.set_num_threads(old)
     assert got[1].matvecs == got[2].matvecs
     assert rel_error(got[1].A, got[2].A) < 1e-12 and rel_error(got[1].B, got[2].B) < 1e-12
 
