@@ -66,6 +66,30 @@ def test_streamed_chunks_equal_resident(tmp_path):
     assert fk.GradientStack(G, dtype=torch.float64, memory_budget=budget).chunk_size < 9
 
 
+@pytest.mark.parametrize("chunk", range(1, 8))
+def test_every_chunk_size_gives_the_resident_products(tmp_path, chunk):
+    """k = 11 gradients in chunks of 1..7 (all streamed): the last chunk holds 2..5 gradients for 3, 4, 6, 7.
+
+    The streamed chunks share one buffer; a shorter last chunk used to be a slice ``buf[:, :kc]``
+    of the ``(n, size, m)`` buffer, not contiguous, and the products' ``view(n kc, m)`` raised
+    (for 2 <= kc < size; first seen on a GPU, whose memory budget streamed the 75 gradients of
+    an 11008 x 4096 layer).
+    """
+    g = torch.Generator().manual_seed(8)
+    G = torch.randn(11, 7, 5, generator=g, dtype=torch.float64)
+    Z = torch.randn(7, 7, generator=g, dtype=torch.float64)
+    Y = torch.randn(5, 5, generator=g, dtype=torch.float64)
+    ref = fk.rearranged_fisher(G)
+    np.save(tmp_path / "g.npy", G.numpy())
+    budget = 3 * chunk * 7 * 5 * 8  # chunk_size = budget // (3 bytes per gradient); resident from 2 k = 22
+    for src in (G, str(tmp_path / "g.npy")):
+        op = fk.rearranged_fisher(src, memory_budget=budget)
+        assert op.grads.chunk_size == chunk and op.grads.streamed
+        for _ in range(2):  # the buffer is reused by the next product
+            torch.testing.assert_close(op.apply(Z), ref.apply(Z), **FLOAT64)
+            torch.testing.assert_close(op.apply_adjoint(Y), ref.apply_adjoint(Y), **FLOAT64)
+
+
 def test_generator_spills_to_disk_past_budget():
     g = torch.Generator().manual_seed(4)
     G = torch.randn(12, 6, 4, generator=g)
@@ -108,6 +132,18 @@ def test_cuda_stays_on_device():  # pragma: no cover - runs where a GPU exists
     G = torch.randn(4, 7, 5, device="cuda")
     op = fk.rearranged_fisher(G, dtype=torch.float32)
     assert op.apply(torch.eye(7, device="cuda")).device.type == "cuda"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_budget_counts_the_allocators_idle_memory():  # pragma: no cover - runs where a GPU exists
+    """Memory the caching allocator holds for reuse is free for the gradients (mem_get_info calls it taken)."""
+    from fisherkron.core.operators import default_memory_budget
+    dev = torch.device("cuda")
+    before = default_memory_budget(dev)
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # 1 GiB, then idle in the allocator's cache
+    del x
+    assert torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev) >= 1 << 30
+    assert abs(default_memory_budget(dev) - before) < 1 << 27  # not 512 MiB less
 
 
 @pytest.mark.parametrize("n,m,k", SHAPES)

@@ -126,10 +126,15 @@ def matvec_flops(n: int, m: int, k: int) -> int:
 
 
 def default_memory_budget(device: torch.device) -> int:
-    """Half the free memory of a CUDA device, or a quarter of physical RAM on the CPU."""
+    """Half the free memory of a CUDA device, or a quarter of physical RAM on the CPU.
+
+    On CUDA, memory PyTorch's caching allocator holds but no tensor uses counts as free (it is
+    this process's to reuse; ``mem_get_info`` reports it as taken).
+    """
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.5)
+        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int((free + max(idle, 0)) * 0.5)
     try:
         return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.25)
     except (ValueError, OSError, AttributeError):
@@ -225,7 +230,7 @@ class GradientStack:
         # A chunk needs itself, its (n, kc, m) copy and one work buffer of the same size.
         self.chunk_size = max(1, min(self.k, self.memory_budget // (3 * self.bytes_per_grad)))
         self._resident: list[torch.Tensor] | None = None
-        self._buf: torch.Tensor | None = None  # reused (n, kc, m) chunk buffer of the streamed path
+        self._buf: torch.Tensor | None = None  # flat storage of the reused (n, kc, m) chunks of the streamed path
         self._file = _npy_file(src, encoded=self._stored is not None)
         if self._stored is not None and self._file is None:  # pragma: no cover - np.load gives a whole map
             raise FisherkronError(f"{name}: {self._stored.path} cannot be read as a memory-mapped file")
@@ -298,9 +303,11 @@ class GradientStack:
             stop = min(self.k, start + size)
             kc = stop - start
             if reuse:
-                if self._buf is None or self._buf.shape[1] < kc:
-                    self._buf = torch.empty(n, size, m, dtype=self.dtype, device=self.device)
-                out = self._buf[:, :kc] if kc < self._buf.shape[1] else self._buf
+                if self._buf is None or self._buf.numel() < n * kc * m:
+                    self._buf = torch.empty(n * size * m, dtype=self.dtype, device=self.device)
+                # the first n kc m entries as a contiguous (n, kc, m) tensor, also for a shorter last chunk
+                # (a slice buf[:, :kc] of an (n, size, m) buffer is not, and the products view it as (n kc, m))
+                out = self._buf[: n * kc * m].view(n, kc, m)
             else:
                 out = None
             if self._file is not None:
