@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The checks of fisherkron that need a GPU, in one short run (about 5 minutes on one H100):
-#   1. the suite's CUDA test (tests/test_core_operators.py -k cuda);
+# The checks of fisherkron that need a GPU, in one short run (about 2.5 minutes on one H100):
+#   1. the suite's CUDA tests (tests/test_core_operators.py -k cuda);
 #   2. the NCCL path: scripts/nccl_check.py under torchrun, one process per GPU;
 #   3. the README's GPU target: MFF of an 11008 x 4096 layer with 75 gradients (the
-#      Llama-2-7B MLP shape) on the GPU, gradients resident there, timings synchronised
-#      (scripts/bench_mff.py --device cuda; the authors' approach, on the host, is skipped).
+#      Llama-2-7B MLP shape; also its 4096 x 11008 down and 4096 x 4096 attention shapes) on the
+#      GPU, gradients there, timings synchronised (scripts/bench_mff.py --device cuda; the
+#      authors' approach, on the host, is skipped).
 # Usage: scripts/gpu_check.sh [OUTDIR]   (default build/gpu-check): machine.txt, one log per step and
 # bench.tgz, the benchmark's tables and figure (bench/; committed under figures/bench/gpu/, whose
 # README row "GPU: 11008x4096 with 75 gradients" renders from them: `make readme`).
@@ -36,7 +37,7 @@ cat "$out/machine.txt"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 step pytest_cuda 90 python3 -m pytest -q -p no:cacheprovider tests/test_core_operators.py -k cuda -rs
 step nccl 120 python3 -m torch.distributed.run --standalone --nproc_per_node="${gpus:-1}" scripts/nccl_check.py
-step bench 360 python3 scripts/bench_mff.py --device cuda --sizes 11008x4096x75 --minilm-layer none \
+step bench 360 python3 scripts/bench_mff.py --device cuda --sizes 11008x4096x75 4096x11008x75 4096x4096x75 --minilm-layer none \
   --no-whole-model --out "$out/bench"
 tar -czf "$out/bench.tgz" -C "$out" bench && rm -r "$out/bench"
 exit $status
