@@ -209,6 +209,32 @@ def test_the_bench_note_says_a_run_is_older_than_the_code_only_when_it_is(tmp_pa
     assert "`fisherkron/bench.py`, which no longer exists" in note(**{**ok, "notebook": "fisherkron/bench.py"})
 
 
+def test_the_gpu_target_is_met_missed_or_not_measured_by_the_committed_gpu_run(tmp_path):
+    """The GPU row of the speed targets reads figures/bench/gpu/ (scripts/gpu_check.sh); without it, not measured."""
+    import csv
+
+    from fisherkron.experiments.readme.layer_studies import BENCH_GPU_S, gpu_target
+
+    shutil.copy(ROOT / "figures" / "tab_time_algo.csv", tmp_path)
+    assert gpu_target(readme.Outputs(tmp_path)).startswith("**not measured**")
+    shutil.copytree(ROOT / "figures" / "bench" / "gpu", tmp_path / "bench" / "gpu")
+    text = gpu_target(readme.Outputs(tmp_path))
+    with open(ROOT / "figures" / "bench" / "gpu" / "bench_mff.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    main = next(r for r in rows if (r["n"], r["m"], r["k"]) == ("11008", "4096", "75"))
+    slowest = max(float(main["ours_s"]), float(main["ident_s"]))
+    assert text.startswith("**met**" if slowest <= BENCH_GPU_S else "**missed**")
+    with open(ROOT / "figures" / "tab_time_algo.csv", newline="") as fh:
+        quoted = next(float(r["paper GPU seconds"]) for r in csv.DictReader(fh) if r["layer (n x m)"] == "11008 x 4096")
+    assert f"**{float(main['ours_s']):.1f} s** from the K-FAC start" in text and f"gives {quoted:.0f} s" in text
+    main["ident_s"] = str(BENCH_GPU_S + 0.5)  # one start over the target: missed
+    with open(tmp_path / "bench" / "gpu" / "bench_mff.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    assert gpu_target(readme.Outputs(tmp_path)).startswith("**missed**")
+
+
 def test_the_verify_block_says_what_each_run_found_and_which_tables_changed_since(tmp_path):
     import json
 
