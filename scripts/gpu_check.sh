@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The checks of fisherkron that need a GPU, in one short run (about 2.5 minutes on one H100):
 #   1. the suite's CUDA tests (tests/test_core_operators.py -k cuda);
-#   2. the NCCL path: scripts/nccl_check.py under torchrun, one process per GPU;
+#   2. the NCCL path: scripts/nccl_check.py under torchrun, one process per GPU; the Hugging Face
+#      pipeline (calibration, every method's compression) on the GPU against the CPU:
+#      scripts/cuda_pipeline_check.py;
 #   3. the README's GPU target: MFF of an 11008 x 4096 layer with 75 gradients (the
 #      Llama-2-7B MLP shape; also its 4096 x 11008 down and 4096 x 4096 attention shapes) on the
 #      GPU, gradients there, timings synchronised (scripts/bench_mff.py --device cuda; the
@@ -37,6 +39,7 @@ cat "$out/machine.txt"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 step pytest_cuda 90 python3 -m pytest -q -p no:cacheprovider tests/test_core_operators.py -k cuda -rs
 step nccl 120 python3 -m torch.distributed.run --standalone --nproc_per_node="${gpus:-1}" scripts/nccl_check.py
+step cuda_pipeline 120 python3 scripts/cuda_pipeline_check.py
 step bench 360 python3 scripts/bench_mff.py --device cuda --sizes 11008x4096x75 4096x11008x75 4096x4096x75 --minilm-layer none \
   --no-whole-model --out "$out/bench"
 tar -czf "$out/bench.tgz" -C "$out" bench && rm -r "$out/bench"
