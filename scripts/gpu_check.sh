@@ -39,7 +39,7 @@ cat "$out/machine.txt"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 step pytest_cuda 90 python3 -m pytest -q -p no:cacheprovider tests/test_core_operators.py -k cuda -rs
 step nccl 120 python3 -m torch.distributed.run --standalone --nproc_per_node="${gpus:-1}" scripts/nccl_check.py
-step cuda_pipeline 120 python3 scripts/cuda_pipeline_check.py
+step cuda_pipeline 120 python3 scripts/cuda_pipeline_check.py  # also committed as figures/bench/gpu/*.log
 step bench 360 python3 scripts/bench_mff.py --device cuda --sizes 11008x4096x75 4096x11008x75 4096x4096x75 --minilm-layer none \
   --no-whole-model --out "$out/bench"
 tar -czf "$out/bench.tgz" -C "$out" bench && rm -r "$out/bench"
