@@ -70,6 +70,7 @@ warm_layers = r"model\.layers\.(0|15|29)\..*"  # layers of the warm-start compar
 encoding_k = 16  # batches of the 16-bit check; paper: 16
 encoding_layers = r"model\.layers\.(0|29)\..*"  # paper: r"model\.layers\.(0|31)\..*"
 mff_tol = 1e-4  # paper: 1e-4
+mff_dtype = "float64"  # MFF in the quality grid (same ranks on any CPU; the cost table times float32); paper: "float64"
 isolate_costs = True  # each cost measurement in a fresh process (its own peak memory); smoke: False
 target_minutes = 15.0  # issue target at end2end_k
 target_ram_gb = 12.0
@@ -92,9 +93,10 @@ params = {k_: v for k_, v in dict(globals()).items()
           if k_ in ("profile", "model_name", "batch_size", "seq_len", "calib_docs", "layers", "eval_tokens",
                     "eval_seq_len", "ks", "cost_only_ks", "grad_dtype", "methods", "ratios", "granularities",
                     "granularity_k", "end2end_k", "end2end_ratio", "warm_layers", "encoding_k", "encoding_layers",
-                    "mff_tol", "isolate_costs")}
+                    "mff_tol", "mff_dtype", "isolate_costs")}
 study = cs.prepare(model_name, batch_size=batch_size, seq_len=seq_len, calib_docs=calib_docs, layers=layers,
-                   eval_tokens=eval_tokens or 10**9, eval_seq_len=eval_seq_len, mff_tol=mff_tol, isolate=isolate_costs)
+                   eval_tokens=eval_tokens or 10**9, eval_seq_len=eval_seq_len, mff_tol=mff_tol, isolate=isolate_costs,
+                   mff_dtype=mff_dtype)
 print(f"uncompressed: PTB {study.base['ppl_ptb']:.2f}, Wikipedia {study.base['ppl_wiki']:.2f}; "
       f"records in {study.results_path}")
 
@@ -190,8 +192,8 @@ table = q[["setting", "k", "granularity", "gradients", "method", "target_ratio",
            "ptb_x_dense", "dense_layers", "compress_seconds"]]
 figures.save_table(table, "tab_calibration", output_dir, params, started=started,
                    notebook="notebooks/fig_calibration.py", floatfmt=".4g", label="tab:calibration",
-                   caption=f"{model_name}: perplexity against calibration size and granularity, fisher allocation "
-                           f"(dense PTB {study.base['ppl_ptb']:.2f}, Wikipedia {study.base['ppl_wiki']:.2f})")
+                   caption=f"{model_name}: perplexity against calibration size and granularity, fisher allocation, "
+                           f"MFF in {mff_dtype} (dense PTB {study.base['ppl_ptb']:.2f}, Wikipedia {study.base['ppl_wiki']:.2f})")
 display(Markdown(table.to_markdown(index=False, floatfmt=".4g")))
 
 # %%

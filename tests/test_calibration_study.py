@@ -62,3 +62,37 @@ def test_a_measurement_in_the_notebooks_process_says_so_and_is_never_served_to_a
     # and each is served from the cache afterwards
     assert cs.measure(study(True), 2) == {"peak_gb": 2.0} and cs.measure(study(False), 2)["isolated"] is False
     assert len(calls) == 2
+
+
+def test_the_quality_cases_of_mff_methods_are_keyed_and_run_by_mff_dtype(tmp_path, monkeypatch):
+    """float64 MFF reaches compress() for GFWSVD and keys its case apart; other methods keep their float32 keys."""
+    import types
+
+    import fisherkron.hf.surgery as surgery
+    from fisherkron.core.conventions import FisherkronError
+
+    seen = []
+
+    def fake_compress(model, method, stats, *, mff_options, **kw):
+        seen.append((method, mff_options))
+        return types.SimpleNamespace(ratio=0.2, layers={})
+
+    monkeypatch.setattr(surgery, "compress", fake_compress)
+    monkeypatch.setattr(cs, "_score", lambda study, model: {"ppl_ptb": float(len(seen))})
+    monkeypatch.setattr(cs, "gradient_count", lambda stats: 4)
+    stats = types.SimpleNamespace(key="calib-key", granularity="batch")
+
+    def study(dtype):
+        return cs.Study("tiny", torch.nn.Linear(2, 2), None, {"mff_tol": 1e-3}, {}, 8, tmp_path / "r.json",
+                        mff_dtype=dtype)
+
+    for method in ("gfwsvd", "kfac_svd"):
+        cs.run_case(study("float32"), stats, method, 0.2, k=4)
+        cs.run_case(study("float64"), stats, method, 0.2, k=4)
+    assert seen == [("gfwsvd", {"tol": 1e-3}), ("gfwsvd", {"tol": 1e-3, "dtype": torch.float64}),
+                    ("kfac_svd", {"tol": 1e-3})]  # KFAC-SVD's float64 study read the float32 case
+    cases = sorted(k for k in __import__("json").loads((tmp_path / "r.json").read_text()))
+    assert cases == ["case|calib-key|gfwsvd|0.2000", "case|calib-key|gfwsvd|0.2000|mff-float64",
+                     "case|calib-key|kfac_svd|0.2000"]
+    with pytest.raises(FisherkronError, match="MFF computes in float32 or float64"):
+        cs.prepare("no-such-model", mff_dtype="float16")  # before the model loads

@@ -206,3 +206,12 @@ def test_inputs_are_never_modified(dtype, budget):
         fk.mff(G.numpy(), dtype=dtype, memory_budget=budget)
         fk.mff(list(G), dtype=dtype, memory_budget=budget)
         assert torch.equal(G, G0)
+
+
+def test_mff_takes_its_dtype_by_name():
+    """A notebook or YAML gives MFF's dtype as a name; the result equals the torch dtype's, an unknown name fails."""
+    G = torch.randn(5, 7, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    a, b = fk.mff(G, dtype="float64"), fk.mff(G, dtype=torch.float64)
+    assert a.A.dtype == torch.float64 and torch.equal(a.A, b.A) and torch.equal(a.B, b.B)
+    with pytest.raises(fk.FisherkronError, match="MFF computes in float32 or float64"):
+        fk.mff(G, dtype="float16")

@@ -22,7 +22,7 @@ Nothing here imports from the layers above it (``fisherkron.hf``, ``fisherkron.e
 """
 from .basis_sharing import SharedBasisLinear, SharedFactors, shared_basis, shared_basis_params, shared_basis_rank
 from .conventions import FisherkronError, kron, unvec, vec
-from .factorization import MFFResult, kronecker_terms, mff
+from .factorization import MFF_DTYPES, MFFResult, kronecker_terms, mff, mff_dtype
 from .kfac import KFACFactors, kfac_factors
 from .lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
 from .methods import METHODS, Method, factorize_weight
@@ -33,7 +33,7 @@ from .wsvd import Factors, asvd, fisher_weighted_error, fwsvd, fwsvd_rows, gfwsv
 __all__ = [
     "FisherkronError", "vec", "unvec", "kron",
     "rearranged_fisher", "RearrangedFisher", "GradientStack", "matvec_flops",
-    "mff", "MFFResult", "kronecker_terms",
+    "mff", "MFFResult", "kronecker_terms", "MFF_DTYPES", "mff_dtype",
     "kfac_factors", "KFACFactors",
     "regularize", "Regularized", "MIN_ALPHA",
     "weighted_svd", "gfwsvd", "svd", "fwsvd", "fwsvd_rows", "asvd", "svd_llm", "Factors", "fisher_weighted_error",

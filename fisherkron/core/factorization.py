@@ -44,9 +44,29 @@ from .distributed import (agree, broadcast_int, broadcast_object, broadcast_tens
                           world_of)
 from .operators import GradientStack, RearrangedFisher, TokenFisher, _single_thread
 
-__all__ = ["MFFResult", "mff", "kronecker_terms"]
+__all__ = ["MFFResult", "mff", "kronecker_terms", "MFF_DTYPES", "mff_dtype"]
 
 log = logging.getLogger(__name__)
+
+#: MFF's GEMM dtypes by the name a notebook parameter, a YAML file or a command line gives
+MFF_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def mff_dtype(dtype) -> torch.dtype:
+    """``dtype`` as a torch dtype: a name of :data:`MFF_DTYPES` is looked up, a torch dtype passes.
+
+    float64 makes MFF's factors independent of the GEMMs' summation order to round-off (float32's
+    differ in their 4th-5th digit between thread counts), which an exact rank allocation needs to
+    pick the same ranks on every machine (``scripts/allocation_reproducibility.py``).
+
+    >>> mff_dtype("float64"), mff_dtype(torch.float32)
+    (torch.float64, torch.float32)
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in MFF_DTYPES:
+        raise FisherkronError(f"MFF dtype {dtype!r}: MFF computes in {' or '.join(MFF_DTYPES)}")
+    return MFF_DTYPES[dtype]
 
 
 @dataclass
@@ -335,7 +355,7 @@ def _kron_change(s_new, x_new, y_new, s_old, x_old, y_old) -> float:
 
 
 def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matvecs: int = 300,
-        dtype: torch.dtype = torch.float32, device=None, memory_budget: int | None = None,
+        dtype: torch.dtype | str = torch.float32, device=None, memory_budget: int | None = None,
         compute_norm: bool = True, name: str = "layer", group=None) -> MFFResult:
     r"""Algorithm 1 (MFF): ``F ~= A (x) B`` from the leading singular triplet of ``R(F)``.
 
@@ -364,7 +384,8 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
             1e-10 (float64).
         terms: number of Kronecker terms (singular triplets) to return.
         max_matvecs: budget of products with ``R(F)`` or ``R(F)^T``.
-        dtype: compute dtype of the GEMMs (float32 default; float64 for references).
+        dtype: compute dtype of the GEMMs (float32 default; float64 for references and exact rank
+            allocations), a torch dtype or a name of :data:`MFF_DTYPES`.
         device: device of the GEMMs (default: that of ``grads``).
         memory_budget: bytes the gradients and work buffers may use.
         compute_norm: compute ``||F||_F^2`` (one extra pass over the gradients; with a
@@ -389,6 +410,7 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
     """
     check_int(terms, "terms", minimum=1)
     check_int(max_matvecs, "max_matvecs", minimum=1)
+    dtype = mff_dtype(dtype)
     if tol is not None:
         check_positive(tol, "tol", below=1.0)
     t0 = time.perf_counter()

@@ -22,7 +22,10 @@ after every record, so a study can be stopped and resumed):
   whole-model ratio with the ``fisher`` allocation (each method's ranks minimise its own
   Theorem-1 error curves, :mod:`fisherkron.hf.allocation`), scored by perplexity on the
   evaluation texts. A case is keyed by the calibration's cache key, so a changed calibration is
-  never served stale results.
+  never served stale results, and, for the methods that read MFF's factors, by MFF's dtype
+  (``prepare(mff_dtype=)``; float64 makes the exact knapsack pick the same ranks on every
+  machine, see :func:`fisherkron.core.factorization.mff_dtype`). The cost measurements time the
+  float32 default.
 
 :func:`encoding_error` measures what 16-bit gradients do to MFF's factors: the relative
 Frobenius error of ``A (x) B`` from bfloat16 / float16 gradients against float32 gradients of
@@ -68,6 +71,7 @@ class Study:
     results_path: Path
     base: dict[str, float] = field(default_factory=dict)
     isolate: bool = True  # cost measurements in a fresh process (their own peak memory)
+    mff_dtype: str = "float32"  # MFF's dtype in the quality cases (the cost measurements time float32)
     _decompositions: dict = field(default_factory=dict)
 
     def decompositions_of(self, key: str, method: str):
@@ -82,12 +86,17 @@ class Study:
 
 def prepare(model_name: str = "smollm2", *, batch_size: int = 2, seq_len: int = 256, seed: int = 0,
             calib_docs: int = 500, layers=None, eval_tokens: int = 4096, eval_seq_len: int = 512,
-            mff_tol: float = 1e-4, isolate: bool = True) -> Study:
+            mff_tol: float = 1e-4, isolate: bool = True, mff_dtype: str = "float32") -> Study:
     """Load the model, tokenise the evaluation texts (PTB test, Wikipedia) and score the dense model (cached).
 
-    ``isolate=False`` runs the cost measurements in this process (see the module docstring)."""
+    ``isolate=False`` runs the cost measurements in this process (see the module docstring);
+    ``mff_dtype`` is MFF's dtype in :func:`run_case` (a name of ``MFF_DTYPES``, checked before the
+    model loads)."""
     from .. import hf
+    from ..core.factorization import mff_dtype as _dtype
     from ..hf.evaluate import _token_ids
+
+    _dtype(mff_dtype)
 
     model, tok = hf.load_model(model_name)
     protocol = {"batch_size": batch_size, "seq_len": seq_len, "seed": seed, "calib_docs": calib_docs,
@@ -97,7 +106,7 @@ def prepare(model_name: str = "smollm2", *, batch_size: int = 2, seq_len: int = 
     cfg = [CODE_VERSION, model_name, hf.calibration.model_fingerprint(model), protocol, eval_tokens, eval_seq_len]
     key = hashlib.blake2b(json.dumps(cfg, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
     study = Study(model_name, model, tok, protocol, eval_ids, eval_seq_len,
-                  data_root() / "cache" / "studies" / f"calibration-{key}.json", isolate=isolate)
+                  data_root() / "cache" / "studies" / f"calibration-{key}.json", isolate=isolate, mff_dtype=mff_dtype)
     study.base = _cached(study, "dense", lambda: _score(study, model))
     return study
 
@@ -303,15 +312,21 @@ def _score(study: Study, model) -> dict:
 
 def run_case(study: Study, stats, method: str, ratio: float, *, k: int, setting: str = "") -> dict:
     """Compress a copy of the model with ``method`` at whole-model ``ratio`` (``fisher`` allocation), score it."""
+    from ..core.factorization import mff_dtype
+    from ..core.methods import method as method_row
     from ..hf.surgery import compress
 
     case = f"case|{stats.key}|{method}|{ratio:.4f}"
+    mff_options = {"tol": study.protocol["mff_tol"]}
+    if method_row(method).kronecker and study.mff_dtype != "float32":  # float32 cases keep their keys
+        case += f"|mff-{study.mff_dtype}"
+        mff_options["dtype"] = mff_dtype(study.mff_dtype)
 
     def compute() -> dict:
         model = copy.deepcopy(study.model)
         t = time.perf_counter()
         rep = compress(model, method, stats, ratio=ratio, allocation="fisher",
-                       mff_options={"tol": study.protocol["mff_tol"]},
+                       mff_options=mff_options,
                        decompositions=study.decompositions_of(stats.key, method))
         row = {"setting": setting, "k": k,
                "granularity": stats.granularity, "gradients": gradient_count(stats), "method": method, "target_ratio": ratio,

@@ -20,16 +20,13 @@ from pathlib import Path
 
 import torch
 
+from ..core.factorization import MFF_DTYPES, mff_dtype
 from ..env import atomic_write, data_root
 
 __all__ = ["Setup", "prepare", "run_case", "validate_predictions", "CODE_VERSION", "MFF_DTYPES"]
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "rank-allocation-3"  # 2: rows carry sweep_seconds; 3: fwsvd is the input-side form
-#: the dtypes MFF's GEMMs run in, by the name a notebook parameter gives (``mff_options={"dtype": "float64"}``)
-MFF_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
 def _mff_options(options: dict | None) -> dict:
     """``options`` for :func:`fisherkron.mff`, a ``dtype`` given by name made the torch dtype; one-line error else.
 
@@ -42,10 +39,8 @@ def _mff_options(options: dict | None) -> dict:
     {'tol': 0.0001, 'dtype': torch.float64}
     """
     out = dict(options or {})
-    if isinstance(out.get("dtype"), str):
-        if out["dtype"] not in MFF_DTYPES:
-            raise ValueError(f"mff_options dtype {out['dtype']!r}: MFF computes in {' or '.join(MFF_DTYPES)}")
-        out["dtype"] = MFF_DTYPES[out["dtype"]]
+    if "dtype" in out:
+        out["dtype"] = mff_dtype(out["dtype"])
     return out
 
 
