@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks of fisherkron that need a GPU, in one short run (about 2.5 minutes on one H100):
+# The checks of fisherkron that need a GPU, in one short run (about 4 minutes on one H100):
 #   1. the suite's CUDA tests (tests/test_core_operators.py -k cuda);
 #   2. the NCCL path: scripts/nccl_check.py under torchrun, one process per GPU; the Hugging Face
 #      pipeline (calibration, every method's compression) on the GPU against the CPU:
