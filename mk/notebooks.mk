@@ -107,7 +107,7 @@ tab_throughput: ## Tabs. flops_comparison, throughput_fwsvd, throughput_forward 
 
 # Calibration at scale on SmolLM2: cost and quality against k and granularity (issue "calibration at the paper's scale").
 $(eval $(call notebook,fig_calibration,$(call fig,fig_calibration) $(call tab,tab_calibration tab_calibration_cost) $(FIGDIR)/fig_calibration_summary.provenance.json,$(HF_SRC) $(EXP)/calibration_study.py))
-fig_calibration: ## calibration at scale: GFWSVD / KFAC-SVD / SVD-LLM against k and granularity, cost against the 15-min target (90 min cold, measured with its last 35 min beside another run)
+fig_calibration: ## calibration at scale: GFWSVD / KFAC-SVD / SVD-LLM against k and granularity, cost against the 15-min target (about 85 min cold on 2 Intel Xeon cores, its last 25 min beside another run)
 
 # Encoder compression (Sec. 6.2): MiniLM fine-tuned per task and seed, its FFN layers compressed by rank.
 $(eval $(call notebook,tab_glue_results,$(call tab,tab_glue_results tab_glue_extended) $(call fig,fig_bert_glue_avg) $(FIGDIR)/tab_glue_results_summary.provenance.json,$(HF_SRC) $(EXP)/glue.py $(EXP)/glue_summary.py))

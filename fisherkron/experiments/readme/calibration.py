@@ -177,6 +177,7 @@ def calibration_cost(out: Outputs) -> str:
     kmax = p["end2end_k"]
     full_row = next(r for r in rows if r["setting"] == f"k{kmax}-batch-{p['grad_dtype']}")
     peak = out.extra("tab_time_algo")["gemm_peak_gflops"]
+    same_machine = cpu(out, "tab_time_algo") == cpu(out, "tab_calibration_cost")
     # disk on the default path: the bfloat16 gradients and the float64 MFF factors (m^2 + n^2 per layer)
     shapes = [(r["n"], r["m"]) for r in out.table("tab_singular_values_layers") if r["model"] == "smollm2"]
     grads_gb = kmax * sum(n * m for n, m in shapes) * 2 / 1e9
@@ -193,7 +194,9 @@ def calibration_cost(out: Outputs) -> str:
                "cores"], body),
         "",
         f"  - MFF's products run at {full_row['mff_gflops_per_s']:.0f} GFLOP/s at k = {kmax}, against {peak:.0f} "
-        "for this VM type's float32 GEMM (the runtime study's peak).",
+        + ("for this VM type's float32 GEMM (the runtime study's peak)." if same_machine else
+           f"for the float32 GEMM of the {cpu(out, 'tab_time_algo')} that ran the runtime study: another "
+           "machine, so the two do not compare (the GEMM peak differs between VM types)."),
         f"  - **Time: {verdict('time')}**, with {num(full['minutes'], 1)} min for the three methods' statistics and "
         f"{num(default['minutes'], 1)} min on GFWSVD's default path{_timed(e2e, idle)}.",
         f"  - **RAM: {verdict('ram')}** ({num(full['peak_gb'], 1)} GB and {num(default['peak_gb'], 1)} GB). Peak RSS "
