@@ -127,7 +127,14 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False, replace: bo
         os.close(fd)
         tmp = Path(name)
     try:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as exc:  # noqa: BLE001 - a full disk is named; anything else passes unchanged
+            full = _disk_full(path.parent, exc)
+            if full:
+                raise FisherkronError(f"cannot write {path}: {full}; nothing there was changed. Free space "
+                                      f"(e.g. old folders of data/cache or build/) and run again") from exc
+            raise
         os.chmod(tmp, (0o777 if directory else 0o666) & ~_umask())  # mkdtemp/mkstemp make 0700/0600
         if directory:
             _replace_directory(tmp, path, replace, prefix)
@@ -166,6 +173,27 @@ def _replace_directory(tmp: Path, path: Path, replace: bool, prefix: str) -> Non
             raise _rename_error(path, exc) from None
         raise
     shutil.rmtree(aside, ignore_errors=True) if aside.is_dir() else aside.unlink()
+
+
+#: free bytes under which a failed write is put down to a full disk (torch.save's zip writer
+#: reports one as "unexpected pos" or "iostream error", with no errno)
+DISK_FULL_BYTES = 64 << 20
+
+
+def _disk_full(folder: Path, exc: BaseException) -> str | None:
+    """Why writing in ``folder`` failed, if the disk is full (ENOSPC in ``exc``'s chain, or almost no
+    free space left on the folder's file system); ``None`` otherwise."""
+    seen, chain = exc, set()
+    while seen is not None and id(seen) not in chain:
+        if isinstance(seen, OSError) and seen.errno == 28:  # ENOSPC
+            return f"no space left on the device of {folder}"
+        chain.add(id(seen))
+        seen = seen.__cause__ or seen.__context__
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    return f"the disk is full ({free >> 20} MiB free on the file system of {folder})" if free < DISK_FULL_BYTES else None
 
 
 def _rename_error(path: Path, exc: OSError) -> FisherkronError:

@@ -67,3 +67,38 @@ def test_a_replace_that_works_leaves_only_the_new_folder(tmp_path):
         (tmp / "new.txt").write_text("new")
     assert sorted(p.name for p in target.iterdir()) == ["new.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
+
+
+def _write_fails(exc):
+    def write(tmp):
+        with open(tmp, "wb") as fh:
+            fh.write(b"half")
+        raise exc
+    return write
+
+
+def test_a_full_disk_is_named_and_the_earlier_file_kept(tmp_path, monkeypatch):
+    """A write that fails on a full disk says so in one line; the earlier file and no temporary remain.
+
+    torch.save's zip writer reports a full disk as "unexpected pos" with no errno (seen when a
+    calibration's MFF cache filled the disk): then the free space decides.
+    """
+    import shutil
+    from collections import namedtuple
+
+    from fisherkron.env import DISK_FULL_BYTES, atomic_write
+
+    target = tmp_path / "factors.pt"
+    target.write_bytes(b"earlier")
+    with pytest.raises(FisherkronError, match="no space left on the device") as e:
+        atomic_write(target, _write_fails(OSError(errno.ENOSPC, "No space left on device")))
+    assert "\n" not in str(e.value)
+    usage = namedtuple("usage", "total used free")
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1216 vs 1046")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, DISK_FULL_BYTES // 2))
+    with pytest.raises(FisherkronError, match=r"the disk is full \(32 MiB free"):
+        atomic_write(target, _write_fails(torch_error))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 1 << 30, 9 << 30))
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # space left: the error is not ours to rename
+        atomic_write(target, _write_fails(torch_error))
+    assert target.read_bytes() == b"earlier" and sorted(p.name for p in tmp_path.iterdir()) == ["factors.pt"]
