@@ -13,6 +13,7 @@ model registry to find a path.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import os
@@ -185,7 +186,7 @@ def _disk_full(folder: Path, exc: BaseException) -> str | None:
     free space left on the folder's file system); ``None`` otherwise."""
     seen, chain = exc, set()
     while seen is not None and id(seen) not in chain:
-        if isinstance(seen, OSError) and seen.errno == 28:  # ENOSPC
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
             return f"no space left on the device of {folder}"
         chain.add(id(seen))
         seen = seen.__cause__ or seen.__context__
@@ -193,7 +194,9 @@ def _disk_full(folder: Path, exc: BaseException) -> str | None:
         free = shutil.disk_usage(folder).free
     except OSError:
         return None
-    return f"the disk is full ({free >> 20} MiB free on the file system of {folder})" if free < DISK_FULL_BYTES else None
+    if free >= DISK_FULL_BYTES:
+        return None
+    return f"the disk is full ({free >> 20} MiB free on the file system of {folder})"
 
 
 def _rename_error(path: Path, exc: OSError) -> FisherkronError:

@@ -20,7 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -28,16 +27,10 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # the tiny models the test suite
 
 import fisherkron as fk  # noqa: E402
 from fisherkron.core.methods import METHODS  # noqa: E402
-from fisherkron.testing import MODEL_F32_REL  # noqa: E402
+from fisherkron.testing import MODEL_F32_REL, rel_error  # noqa: E402
 
 #: float32 statistics computed on two devices: relative Frobenius error
 STATS_REL = 1e-4
-
-
-def _rel(a, b) -> float:
-    a, b = (torch.as_tensor(np.asarray(x, dtype=np.float64)) if not isinstance(x, torch.Tensor) else x.double().cpu()
-            for x in (a, b))
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def run(device: str, folder: Path):
@@ -70,9 +63,9 @@ def main(argv=None) -> int:
         ref_stats, ref = run("cpu", Path(tmp) / "cpu")
         stats, got = run(a.device, Path(tmp) / "device")
         for name in ref_stats.layers:
-            errs = {"grads": _rel(stats.grads(name), ref_stats.grads(name))}
+            errs = {"grads": rel_error(stats.grads(name), ref_stats.grads(name))}
             kf, kf0 = stats.kfac(name), ref_stats.kfac(name)
-            errs["kfac A"], errs["kfac B"] = _rel(kf.A, kf0.A), _rel(kf.B, kf0.B)
+            errs["kfac A"], errs["kfac B"] = rel_error(kf.A, kf0.A), rel_error(kf.B, kf0.B)
             worst = max(errs, key=errs.get)
             results.append((f"statistics of {name}", errs[worst] <= STATS_REL, f"worst {worst}: {errs[worst]:.1e}"))
         for method, logits in ref.items():

@@ -39,14 +39,12 @@ import fisherkron as fk
 from fisherkron.core import distributed as D
 from fisherkron.core import factorization
 from fisherkron.core.operators import GradientStack, RearrangedFisher
+from fisherkron.experiments.benchmark import kron_rel_error
 from fisherkron.hf.distributed import Launch, torchrun_world
+from fisherkron.testing import rel_error
 
 #: float64 throughout: sums over ranks differ from one sum only in the order of additions
 TOL = 1e-10
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm().clamp_min(1e-300))
 
 
 def main(argv=None) -> int:
@@ -116,7 +114,7 @@ def main(argv=None) -> int:
         # R(F) vec(Z) = vec((1/k) sum_i G_i^T Z G_i): Z (n x n) -> (m x m); R(F)^T: Y (m x m) -> (n x n)
         Z = torch.randn(n, n, dtype=torch.float64, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
         Y = torch.randn(m, m, dtype=torch.float64, device=dev, generator=torch.Generator(device=dev).manual_seed(2))
-        e1, e2 = _rel(shared.apply(Z), single.apply(Z)), _rel(shared.apply_adjoint(Y), single.apply_adjoint(Y))
+        e1, e2 = rel_error(shared.apply(Z), single.apply(Z)), rel_error(shared.apply_adjoint(Y), single.apply_adjoint(Y))
         check("R(F) product over the group", e1 <= TOL, f"rel. error {e1:.1e}")
         check("R(F)^T product over the group", e2 <= TOL, f"rel. error {e2:.1e}")
         check("all_reduce bytes counted", shared.comm_bytes == D.product_comm_bytes(m) + D.product_comm_bytes(n),
@@ -134,8 +132,7 @@ def main(argv=None) -> int:
         got = fk.mff(mine, dtype=torch.float64, tol=1e-12, compute_norm=True, name="nccl", group=g)
     finally:
         factorization.resolve_group = resolve
-    kr = lambda r: torch.kron(r.A.double().cpu(), r.B.double().cpu())  # noqa: E731 (A: m x m, B: n x n)
-    err = _rel(kr(got), kr(ref))
+    err = kron_rel_error(got.A, got.B, ref.A, ref.B)
     check("mff over the group", err <= TOL and got.matvecs == ref.matvecs,
           f"rel. error {err:.1e}, {got.matvecs} vs {ref.matvecs} products, {got.comm_bytes} bytes all-reduced")
     launch.close()

@@ -20,13 +20,15 @@ from pathlib import Path
 
 import torch
 
-from ..core.factorization import MFF_DTYPES, mff_dtype
+from ..core.factorization import mff_dtype
 from ..env import atomic_write, data_root
 
-__all__ = ["Setup", "prepare", "run_case", "validate_predictions", "CODE_VERSION", "MFF_DTYPES"]
+__all__ = ["Setup", "prepare", "run_case", "validate_predictions", "CODE_VERSION"]
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "rank-allocation-3"  # 2: rows carry sweep_seconds; 3: fwsvd is the input-side form
+
+
 def _mff_options(options: dict | None) -> dict:
     """``options`` for :func:`fisherkron.mff`, a ``dtype`` given by name made the torch dtype; one-line error else.
 
