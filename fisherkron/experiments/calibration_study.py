@@ -50,8 +50,9 @@ from pathlib import Path
 import torch
 
 from ..env import OtherLoad, atomic_write, data_root
+from .benchmark import kron_rel_error
 
-__all__ = ["Study", "prepare", "measure", "stats_of", "run_case", "gradient_count", "encoding_error", "kron_rel_error",
+__all__ = ["Study", "prepare", "measure", "stats_of", "run_case", "gradient_count", "encoding_error",
            "CODE_VERSION"]
 
 log = logging.getLogger(__name__)
@@ -336,16 +337,6 @@ def run_case(study: Study, stats, method: str, ratio: float, *, k: int, setting:
         return row
 
     return _cached(study, case, compute)
-
-
-def kron_rel_error(A, B, A0, B0) -> float:
-    r"""``||A (x) B - A0 (x) B0||_F / ||A0 (x) B0||_F`` from traces, no Kronecker product formed:
-    ``||A (x) B||_F^2 = ||A||_F^2 ||B||_F^2`` and ``<A (x) B, A0 (x) B0> = <A, A0> <B, B0>``."""
-    A, B, A0, B0 = (torch.as_tensor(x).double() for x in (A, B, A0, B0))
-    aa, bb = float((A * A).sum()), float((B * B).sum())
-    a0, b0 = float((A0 * A0).sum()), float((B0 * B0).sum())
-    cross = float((A * A0).sum()) * float((B * B0).sum())
-    return max(aa * bb + a0 * b0 - 2 * cross, 0.0) ** 0.5 / (a0 * b0) ** 0.5
 
 
 def encoding_error(study: Study, k: int, layers: str, encodings=("bfloat16", "float16")) -> dict:
