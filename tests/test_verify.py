@@ -290,3 +290,19 @@ def test_the_converted_model_folder_follows_fisherkron_models(tmp_path, monkeypa
     monkeypatch.setenv("FISHERKRON_DATA", str(tmp_path / "data"))
     monkeypatch.setenv("FISHERKRON_MODELS", str(folder.parent))
     assert smollm2_folder() == folder
+
+
+def test_text_cells_read_thousands_separators_and_ignore_the_best_value_emphasis():
+    """Stop 35's tab_extra verify: "3,327 ± 825" against "4,259 ± 782" was read as the numbers 3, 327
+    and 825 (|diff| 1 for 3 against 4), and a bold moved to a tied neighbour failed as a changed word."""
+    tol = {"ppl": "rel=0.05"}
+    ref = pd.DataFrame({"ppl": ["3,327 ± 825", "**94,632 ± 15,436**"]})
+    rep = verify.compare_frames("t", ref, ref.assign(ppl=["4,259 ± 825", "**94,632 ± 15,436**"]), tol)
+    # 4,259 is 28 % from 3,327: the margin is the whole numbers' (932 / 166), not 1 / 0.15
+    assert rep.status == "FAIL" and rep.failures[0].delta == pytest.approx(932)
+    near = ref.assign(ppl=["3,400 ± 825", "95,000 ± 15,436"])  # 2.2 % and 0.4 %, bold dropped
+    assert verify.compare_frames("t", ref, near, tol).status == "PASS"
+    # the spread is held to its mean's width (5 % of 3,327 = 166), not 5 % of itself (41)
+    assert verify.compare_frames("t", ref, ref.assign(ppl=["3,327 ± 900", ref.ppl[1]]), tol).status == "PASS"
+    assert verify.compare_frames("t", ref, ref.assign(ppl=["3,327 ± 1,000", ref.ppl[1]]), tol).status == "FAIL"
+    assert verify.compare_frames("t", ref, ref.assign(ppl=["3,327 ± 825 x", ref.ppl[1]]), tol).status == "FAIL"

@@ -61,7 +61,10 @@ from .execute import rel as _rel
 __all__ = ["Failure", "TableReport", "compare_frames", "compare_table", "compare_notebook", "tables_of",
            "declared_tolerances", "notebook_record", "write_records", "main"]
 
-_NUM = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+#: a number in a text cell, thousands separators included ("94,632 ± 15,436" is two numbers, not four)
+_NUM = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+(?:\.\d*)?|\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+#: markdown emphasis a table puts on its best value per block: derived from the values, not compared
+_EMPHASIS = re.compile(r"\*\*|__")
 
 
 @dataclass
@@ -174,11 +177,15 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _numbers(s: str) -> tuple[str, list[float], float | None]:
-    """The words of a text cell (numbers replaced by #), its numbers, and the number after '±'."""
-    nums = [float(m) for m in _NUM.findall(s)]
+def _numbers(s: str) -> tuple[str, list[float], int | None]:
+    """The words of a text cell (numbers replaced by #, emphasis dropped), its numbers, and the index
+    among them of the number after '±' (a spread, compared within its mean's tolerance)."""
+    s = _EMPHASIS.sub("", s)
+    found = list(_NUM.finditer(s))
+    nums = [float(m.group().replace(",", "")) for m in found]
     pm = re.search(r"±\s*(" + _NUM.pattern + ")", s)
-    return _NUM.sub("#", s), nums, (abs(float(pm.group(1))) if pm else None)
+    at = next((i for i, m in enumerate(found) if pm and m.start() == pm.start(1)), None)
+    return _NUM.sub("#", s), nums, at
 
 
 def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple[float, float | None, float | None]:
@@ -191,20 +198,24 @@ def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple
     if isinstance(ref, bool) or isinstance(new, bool):
         return (0.0 if ref == new else math.inf), None, None
     if _is_num(ref) and _is_num(new):
-        pairs, sd = [(ref, new)], None
+        pairs, at = [(ref, new)], None
     else:
         if str(ref) == str(new):
             return 0.0, 0.0, 0.0
-        (wr, nr, sd), (wn, nn, _) = _numbers(str(ref)), _numbers(str(new))
+        (wr, nr, at), (wn, nn, _) = _numbers(str(ref)), _numbers(str(new))
         if wr != wn or len(nr) != len(nn):
             return math.inf, None, None
         pairs = list(zip(nr, nn))
+    sd = None if at is None else abs(pairs[at][0])  # the committed spread
     worst = (0.0, 0.0, 0.0)
-    for a, b in pairs:
+    for i, (a, b) in enumerate(pairs):
         if tol.kind == "exact":
             m = (0.0, 0.0, 0.0) if a == b else (math.inf, abs(b - a), 0.0)
         else:
-            d, w = abs(b - a), tol.width(a, row, cell_sd=sd)
+            # a spread "m ± sd" is held to its mean's width: a relative tolerance of the spread itself
+            # would ask a seed spread to reproduce more tightly than the mean it describes
+            scale = pairs[i - 1][0] if i == at and i > 0 else a
+            d, w = abs(b - a), tol.width(scale, row, cell_sd=sd)
             m = (d / w if w > 0 else (0.0 if d == 0 else math.inf), d, w)
         worst = max(worst, m, key=lambda t: t[0])
     return worst
