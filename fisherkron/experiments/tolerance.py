@@ -30,7 +30,10 @@ The grammar of one declaration:
 ==========================  ==================================================================
 
 A text cell is compared by its words exactly and by its numbers within the column's
-tolerance, so ``"0.618 ± 0.002"`` and ``"5.8 %"`` are checked as numbers.
+tolerance, so ``"0.618 ± 0.002"`` and ``"5.8 %"`` are checked as numbers. Thousands
+separators are part of a number (``"94,632"`` is one), markdown emphasis on a table's best
+value is not compared (it follows from the values), and the spread after ``±`` is held to the
+width of the mean before it, not to a tolerance of its own size.
 
 Columns with no declaration get :func:`default` (conservative: exact for integers, flags and
 text, ``rel=1e-6`` for floats, ``timing`` only for names that say so), and the verify report

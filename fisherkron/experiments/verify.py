@@ -182,10 +182,8 @@ def _numbers(s: str) -> tuple[str, list[float], int | None]:
     among them of the number after '±' (a spread, compared within its mean's tolerance)."""
     s = _EMPHASIS.sub("", s)
     found = list(_NUM.finditer(s))
-    nums = [float(m.group().replace(",", "")) for m in found]
-    pm = re.search(r"±\s*(" + _NUM.pattern + ")", s)
-    at = next((i for i, m in enumerate(found) if pm and m.start() == pm.start(1)), None)
-    return _NUM.sub("#", s), nums, at
+    at = next((i for i, m in enumerate(found) if s[:m.start()].rstrip().endswith("±")), None)
+    return _NUM.sub("#", s), [float(m.group().replace(",", "")) for m in found], at
 
 
 def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple[float, float | None, float | None]:
