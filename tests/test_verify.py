@@ -306,3 +306,24 @@ def test_text_cells_read_thousands_separators_and_ignore_the_best_value_emphasis
     assert verify.compare_frames("t", ref, ref.assign(ppl=["3,327 ± 900", ref.ppl[1]]), tol).status == "PASS"
     assert verify.compare_frames("t", ref, ref.assign(ppl=["3,327 ± 1,000", ref.ppl[1]]), tol).status == "FAIL"
     assert verify.compare_frames("t", ref, ref.assign(ppl=["3,327 ± 825 x", ref.ppl[1]]), tol).status == "FAIL"
+
+
+def test_printed_numbers_are_compared_within_their_printing_unit():
+    """Stop 35's tab_extra verify failed "0.562 ± 0.018" -> "0.613 ± 0.053" at abs=0.05: the seed means
+    are 0.5625 and 0.6125 (accuracies in steps of 1/40, averaged over two seeds), 0.05 apart, printed
+    0.051 apart; and "0.175" -> "0.225" failed on float rounding (|diff| 0.05000000000000002)."""
+    tol = {"acc": "abs=0.05"}
+    ref = pd.DataFrame({"acc": ["0.562 ± 0.018", "0.175 ± 0.000"]})
+    assert verify.compare_frames("t", ref, ref.assign(acc=["0.613 ± 0.018", "0.225 ± 0.000"]), tol).status == "PASS"
+    # a change of 0.052 in printed thousandths is more than rounding can explain
+    assert verify.compare_frames("t", ref, ref.assign(acc=["0.614 ± 0.018", ref.acc[1]]), tol).status == "FAIL"
+    # the unit follows the printed digits: integers printed whole get half a unit each
+    ppl = {"ppl": "rel=0.05"}
+    r2 = pd.DataFrame({"ppl": ["100 ± 2"]})
+    assert verify.compare_frames("t", r2, r2.assign(ppl=["106 ± 2"]), ppl).status == "PASS"  # 5 + 1 >= 6
+    assert verify.compare_frames("t", r2, r2.assign(ppl=["107 ± 2"]), ppl).status == "FAIL"
+    # numbers stored as numbers get only float rounding, not a printing unit
+    num = pd.DataFrame({"acc": [0.225]})
+    assert verify.compare_frames("t", num, num.assign(acc=[0.275]), tol).status == "PASS"
+    assert verify.compare_frames("t", num, num.assign(acc=[0.2751]), tol).status == "FAIL"
+    assert [verify._unit(x) for x in ("0.263", "94,632", "1.5e+03", "7.")] == [0.001, 1.0, 100.0, 1.0]

@@ -65,6 +65,8 @@ __all__ = ["Failure", "TableReport", "compare_frames", "compare_table", "compare
 _NUM = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+(?:\.\d*)?|\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 #: markdown emphasis a table puts on its best value per block: derived from the values, not compared
 _EMPHASIS = re.compile(r"\*\*|__")
+#: float64's machine epsilon: differences within a few of it are rounding, not a change
+_EPS = 2.0 ** -52
 
 
 @dataclass
@@ -177,13 +179,23 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _numbers(s: str) -> tuple[str, list[float], int | None]:
-    """The words of a text cell (numbers replaced by #, emphasis dropped), its numbers, and the index
-    among them of the number after '±' (a spread, compared within its mean's tolerance)."""
+def _unit(text: str) -> float:
+    """One unit in the last printed digit of a number as a table prints it: ``"0.263"`` -> 0.001,
+    ``"94,632"`` -> 1, ``"1.5e+03"`` -> 100."""
+    mant, _, exp = text.replace(",", "").lower().partition("e")
+    decimals = len(mant.split(".", 1)[1]) if "." in mant else 0
+    return 10.0 ** (int(exp or 0) - decimals)
+
+
+def _numbers(s: str) -> tuple[str, list[float], int | None, list[float]]:
+    """The words of a text cell (numbers replaced by #, emphasis dropped), its numbers, the index
+    among them of the number after '±' (a spread, compared within its mean's tolerance), and the
+    printing unit of each number (:func:`_unit`)."""
     s = _EMPHASIS.sub("", s)
     found = list(_NUM.finditer(s))
     at = next((i for i, m in enumerate(found) if s[:m.start()].rstrip().endswith("±")), None)
-    return _NUM.sub("#", s), [float(m.group().replace(",", "")) for m in found], at
+    return (_NUM.sub("#", s), [float(m.group().replace(",", "")) for m in found], at,
+            [_unit(m.group()) for m in found])
 
 
 def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple[float, float | None, float | None]:
@@ -197,13 +209,19 @@ def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple
         return (0.0 if ref == new else math.inf), None, None
     if _is_num(ref) and _is_num(new):
         pairs, at = [(ref, new)], None
+        # float rounding of the difference itself (0.275 - 0.225 = 0.05000000000000002)
+        slack = [4 * _EPS * max(abs(ref), abs(new))]
     else:
         if str(ref) == str(new):
             return 0.0, 0.0, 0.0
-        (wr, nr, at), (wn, nn, _) = _numbers(str(ref)), _numbers(str(new))
+        (wr, nr, at, ur), (wn, nn, _, un) = _numbers(str(ref)), _numbers(str(new))
         if wr != wn or len(nr) != len(nn):
             return math.inf, None, None
         pairs = list(zip(nr, nn))
+        # a printed number stands for every value within half a unit of its last digit: the printed
+        # difference may exceed the computed one by half a unit of each ("0.562" and "0.613" are the
+        # seed means 0.5625 and 0.6125, 0.05 apart, which a tolerance of 0.05 admits)
+        slack = [0.5 * (a + b) + 4 * _EPS * max(abs(x), abs(y)) for a, b, (x, y) in zip(ur, un, pairs)]
     sd = None if at is None else abs(pairs[at][0])  # the committed spread
     worst = (0.0, 0.0, 0.0)
     for i, (a, b) in enumerate(pairs):
@@ -214,7 +232,7 @@ def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple
             # would ask a seed spread to reproduce more tightly than the mean it describes
             scale = pairs[i - 1][0] if i == at and i > 0 else a
             d, w = abs(b - a), tol.width(scale, row, cell_sd=sd)
-            m = (d / w if w > 0 else (0.0 if d == 0 else math.inf), d, w)
+            m = (max(d - slack[i], 0.0) / w if w > 0 else (0.0 if d == 0 else math.inf), d, w)
         worst = max(worst, m, key=lambda t: t[0])
     return worst
 
