@@ -6,6 +6,7 @@ never taken for a fresh one.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -33,6 +34,9 @@ if fail:
 (Path(output_dir) / "done.txt").write_text(profile)
 import sys
 print("step 1 of 1", file=sys.stderr)
+import warnings
+warnings.warn("IProgress not found. Please update jupyter and ipywidgets.")  # what tqdm.auto says in a kernel
+warnings.warn("a warning a reader should see")
 """
 
 
@@ -50,6 +54,10 @@ def test_a_run_lands_atomically_and_a_failure_replaces_the_executed_copy(tmp_pat
     assert (tmp_path / "figs" / "done.txt").read_text() == "smoke"  # the profile and output_dir reached it
     assert sorted(p.name for p in build.iterdir()) == ["nb.ipynb", "nb.progress.log"]  # no .src / .tmp left
     assert "step 1 of 1" in (build / "nb.progress.log").read_text()  # stderr streamed while it ran
+    executed = "".join("".join(o.get("text", "")) for c in json.loads((build / "nb.ipynb").read_text())["cells"]
+                       for o in c.get("outputs", []))
+    # tqdm's fallback notice (with this machine's paths) is filtered in the kernel, other warnings are not
+    assert "IProgress" not in executed and "a warning a reader should see" in executed
 
     _project(tmp_path, fail=True)
     ok, _, _ = execute("nb", tmp_path / "figs", build, profile="smoke", root=tmp_path, log=tmp_path / "b.log")

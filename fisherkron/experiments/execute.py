@@ -26,7 +26,13 @@ from pathlib import Path
 
 from ..env import REPO_ROOT
 
-__all__ = ["rel", "commands", "progress_log", "execute", "main"]
+__all__ = ["rel", "commands", "progress_log", "kernel_env", "execute", "main"]
+
+#: warnings filters the kernel starts with (``PYTHONWARNINGS`` syntax). tqdm.auto warns that ipywidgets is
+#: missing and falls back to text bars, which is what a notebook executed for a static book should draw (a
+#: widget bar renders on neither a code host nor the book); the warning only put this machine's paths into
+#: every executed notebook.
+KERNEL_WARNINGS = ("ignore:IProgress not found",)
 
 
 def rel(p: Path, root: Path) -> str:
@@ -54,6 +60,19 @@ def commands(name: str, figdir: Path, nb_build: Path, *, profile: str = "default
              "-p", "output_dir", rel(figdir, root), "-p", "profile", profile, str(src), str(tmp)]]
 
 
+def kernel_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a notebook's kernel runs in: ``env`` (default: this process's) with
+    :data:`KERNEL_WARNINGS` added to ``PYTHONWARNINGS`` (a caller's own filters are kept).
+
+    >>> kernel_env({"PYTHONWARNINGS": "error::DeprecationWarning"})["PYTHONWARNINGS"]
+    'error::DeprecationWarning,ignore:IProgress not found'
+    """
+    out = dict(env or os.environ)
+    have = [w for w in out.get("PYTHONWARNINGS", "").split(",") if w]
+    out["PYTHONWARNINGS"] = ",".join(have + [w for w in KERNEL_WARNINGS if w not in have])
+    return out
+
+
 def execute(name: str, figdir: Path, nb_build: Path, *, profile: str = "default", root: Path = REPO_ROOT,
             env: Mapping[str, str] | None = None, log: Path | None = None) -> tuple[bool, float, float]:
     """Execute ``notebooks/<name>.py`` with ``profile``'s parameters, its outputs in ``figdir``.
@@ -71,7 +90,7 @@ def execute(name: str, figdir: Path, nb_build: Path, *, profile: str = "default"
     ok = True
     with open(log, "w", encoding="utf-8") if log else _stdout() as out:
         for cmd in commands(name, figdir, nb_build, profile=profile, root=root):
-            if subprocess.run(cmd, cwd=root, env=dict(env or os.environ), stdout=out,
+            if subprocess.run(cmd, cwd=root, env=kernel_env(env), stdout=out,
                               stderr=subprocess.STDOUT).returncode:
                 ok = False
                 break
