@@ -65,8 +65,6 @@ __all__ = ["Failure", "TableReport", "compare_frames", "compare_table", "compare
 _NUM = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+(?:\.\d*)?|\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 #: markdown emphasis a table puts on its best value per block: derived from the values, not compared
 _EMPHASIS = re.compile(r"\*\*|__")
-#: float64's machine epsilon: differences within a few of it are rounding, not a change
-_EPS = 2.0 ** -52
 
 
 @dataclass
@@ -208,9 +206,7 @@ def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple
     if isinstance(ref, bool) or isinstance(new, bool):
         return (0.0 if ref == new else math.inf), None, None
     if _is_num(ref) and _is_num(new):
-        pairs, at = [(ref, new)], None
-        # float rounding of the difference itself (0.275 - 0.225 = 0.05000000000000002)
-        slack = [4 * _EPS * max(abs(ref), abs(new))]
+        pairs, at, ur, un = [(ref, new)], None, [0.0], [0.0]  # stored numbers: no printing unit
     else:
         if str(ref) == str(new):
             return 0.0, 0.0, 0.0
@@ -218,10 +214,11 @@ def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple
         if wr != wn or len(nr) != len(nn):
             return math.inf, None, None
         pairs = list(zip(nr, nn))
-        # a printed number stands for every value within half a unit of its last digit: the printed
-        # difference may exceed the computed one by half a unit of each ("0.562" and "0.613" are the
-        # seed means 0.5625 and 0.6125, 0.05 apart, which a tolerance of 0.05 admits)
-        slack = [0.5 * (a + b) + 4 * _EPS * max(abs(x), abs(y)) for a, b, (x, y) in zip(ur, un, pairs)]
+    # a printed number stands for every value within half a unit of its last digit, so the printed
+    # difference may exceed the computed one by half a unit of each ("0.562" and "0.613" are the seed
+    # means 0.5625 and 0.6125, 0.05 apart, which a tolerance of 0.05 admits); and the difference itself
+    # carries float rounding (0.275 - 0.225 = 0.05000000000000002)
+    slack = [0.5 * (a + b) + 4 * sys.float_info.epsilon * max(abs(x), abs(y)) for a, b, (x, y) in zip(ur, un, pairs)]
     sd = None if at is None else abs(pairs[at][0])  # the committed spread
     worst = (0.0, 0.0, 0.0)
     for i, (a, b) in enumerate(pairs):
