@@ -186,7 +186,7 @@ caption = (f"{model_name} compressed by SVD, SVD-LLM and GFWSVD at {', '.join(f'
            f"(lm-eval acc, {limit_txt}) and their mean over the four tasks. Trained rows: mean ± standard deviation "
            f"over {len(seeds)} seeds (training windows, order, LoRA initialisation). Best per block in bold.")
 ls.save(table, "tab_extra_compression_results", output_dir, params, caption=caption,
-        label="tab:extra-compression-results", notebook=NB, started=started)
+        label="tab:extra-compression-results", notebook=NB, started=started, seeds=len(seeds))
 display(Markdown(table.to_markdown(index=False)))
 
 # %% [markdown]

@@ -265,6 +265,28 @@ def test_main_table_bolds_the_best_per_block_and_latex_sets_it():
     assert mm.iloc[1]["Method"].startswith("chance") and mm.iloc[1]["MMLU Avg"] == "0.25"
 
 
+def test_decoder_tolerances_are_a_multiple_of_the_printed_standard_error():
+    """Issue 24's rule: an accuracy printed with one evaluation's standard error is held to that standard error
+    (and one example of 40); a seed mean to three standard errors of the mean on top of the column's own
+    tolerance. The cells are tab_llm_compression_main's and tab_extra_compression_results' own."""
+    from fisherkron.experiments.verify import compare_frames
+
+    def failures(ref, new, seeds=None):
+        ref, new = pd.DataFrame([ref]), pd.DataFrame([new])
+        return {f.column for f in compare_frames("t", ref, new, ls.tolerances(ref, seeds)).failures}
+
+    acc = {"Method": "SVD-LLM", "ARC-E": "0.47 ± 0.08", "OpenBook": "0.00 ± 0.00"}
+    assert failures(acc, {**acc, "ARC-E": "0.55 ± 0.08", "OpenBook": "0.03 ± 0.03"}) == set()  # 3 and 1 examples
+    assert failures(acc, {**acc, "ARC-E": "0.60 ± 0.08", "OpenBook": "0.05 ± 0.03"}) == {"ARC-E", "OpenBook"}
+    seed = {"Method": "Dobi-GFWSVD", "PTB": "510 ± 33", "ARC-E": "0.562 ± 0.018"}
+    moved = {**seed, "PTB": "561 ± 65", "ARC-E": "0.613 ± 0.053"}  # the Intel re-run of the AMD EPYC's cells
+    assert failures(seed, moved, seeds=2) == set()
+    assert failures(seed, moved) == {"PTB", "ARC-E"}  # read as one run's cells: beyond 5 % and 0.025 + 0.018
+    assert failures(seed, {**seed, "PTB": "620 ± 30", "ARC-E": "0.700 ± 0.018"}, seeds=2) == {"PTB", "ARC-E"}
+    with pytest.raises(FisherkronError, match="number of seeds"):
+        ls.tolerances(pd.DataFrame([seed]), seeds=0)
+
+
 # ----------------------------------------------------------------------------- the study, end to end
 
 @pytest.fixture(scope="module")

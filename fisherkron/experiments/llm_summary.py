@@ -338,37 +338,82 @@ def latex(df: pd.DataFrame, caption: str, label: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: ``make verify``'s tolerance of a decoder-table column, by what its name says it holds (first match wins). Ranks
-#: decided near a threshold or by the integer program can move with float32 differences between CPUs, and one
-#: lm-eval example in 40 is 0.025 of an accuracy, so the scores get a tolerance and the configuration none.
-COLUMN_TOLERANCES = (
+#: What a decoder-table column holds, by its name (first match wins); :func:`tolerances` turns the kind into
+#: ``make verify``'s tolerance. Ranks decided near a threshold or by the integer program can move with float32
+#: differences between CPUs, so the scores get a tolerance and the configuration none.
+COLUMN_KINDS = (
     (re.compile(r"seconds|time", re.I), "timing"),
     (re.compile(r"^(Block|Method|Stage|Seeds?|transform|Method / Dataset)$", re.I), "exact"),
-    (re.compile(r"ratio", re.I), "rel=0.01"),
-    (re.compile(r"loss", re.I), "abs=0.02"),
-    (re.compile(r"wiki|ptb|ppl|perplexity", re.I), "rel=0.05"),
-    (re.compile(r"mmlu|humanities|other|social|stem|arc|hella|hswag|piqa|wino|openbook|avg|acc", re.I), "abs=0.05"),
+    (re.compile(r"ratio", re.I), "ratio"),
+    (re.compile(r"loss", re.I), "loss"),
+    (re.compile(r"wiki|ptb|ppl|perplexity", re.I), "perplexity"),
+    (re.compile(r"mmlu|humanities|other|social|stem|arc|hella|hswag|piqa|wino|openbook|avg|acc", re.I), "accuracy"),
 )
 
+#: The tolerance of each kind of column (grammar: :mod:`fisherkron.experiments.tolerance`), whatever the cells'
+#: spread means. A compression ratio is counted parameters (1 % covers a rank moved by the allocation); a
+#: held-out loss and a perplexity come from float32 forward passes of a compressed model, which amplifies a
+#: singular vector moved by another CPU's summation order (0.02 nats; 5 %). An accuracy with no spread printed
+#: (one run of a deterministic row in a table of seed means) gets two examples of the 40 each zero-shot task
+#: scores (0.05).
+BASE_TOLERANCES = {"timing": "timing", "exact": "exact", "ratio": "rel=0.01", "loss": "abs=0.02",
+                   "perplexity": "rel=0.05", "accuracy": "abs=0.05"}
 
-def tolerances(df: pd.DataFrame) -> dict[str, str]:
-    """The verify tolerance of every column of a decoder table (:data:`COLUMN_TOLERANCES`; ``exact`` otherwise).
+#: An accuracy printed ``p ± se`` with one evaluation's standard error (the study's tables without seeds): one
+#: standard error, and at least one example of the 40 (a cell at 0 or 1 has a standard error of 0). A re-run
+#: scores the same examples, so the standard error is not the noise of a re-run (that is a few examples flipped
+#: by float32 differences); it is the smallest difference the table can resolve, and the perplexities beside it
+#: (5 %) are what catch a changed method.
+ACCURACY_SE = "abs=0.025 + 1*pm"
 
-    >>> tolerances(pd.DataFrame(columns=["Method", "C. Ratio (linear)", "PTB 10 %", "ARC-E", "HSwag", "held-out loss"]))
-    {'Method': 'exact', 'C. Ratio (linear)': 'rel=0.01', 'PTB 10 %': 'rel=0.05', 'ARC-E': 'abs=0.05', 'HSwag': 'abs=0.05', 'held-out loss': 'abs=0.02'}
+#: Seed means printed ``mean ± sd`` over ``N`` seeds: three standard errors of the mean (sd / sqrt(N)) on top of
+#: the kind's own tolerance, the rule of the GLUE tables (:mod:`fisherkron.experiments.verify_tolerances`). A
+#: model trained on another CPU diverges from the committed one as another seed's would, so the seeds' spread
+#: is the noise of a re-run; with two seeds it is barely estimated, hence three standard errors, not two.
+SEED_MEANS = "3*pm/sqrt({seeds})"
+
+
+def tolerances(df: pd.DataFrame, seeds: int | None = None) -> dict[str, str]:
+    """The verify tolerance of every column of a decoder table (:data:`COLUMN_KINDS`; ``exact`` otherwise).
+
+    Args:
+        seeds: the number of seeds when the table's ``±`` is a standard deviation over seeds (Tab.
+            extra-compression-results): every score column gets :data:`SEED_MEANS` on top of its
+            :data:`BASE_TOLERANCES`. ``None`` (the study's other tables): ``±`` is one evaluation's standard
+            error, printed on accuracies only, which get :data:`ACCURACY_SE`.
+
+    >>> cols = ["Method", "C. Ratio (linear)", "PTB 10 %", "ARC-E", "held-out loss"]
+    >>> tolerances(pd.DataFrame(columns=cols))
+    {'Method': 'exact', 'C. Ratio (linear)': 'rel=0.01', 'PTB 10 %': 'rel=0.05', 'ARC-E': 'abs=0.025 + 1*pm', 'held-out loss': 'abs=0.02'}
+    >>> tolerances(pd.DataFrame(columns=cols), seeds=2)["PTB 10 %"]
+    'rel=0.05 + 3*pm/sqrt(2)'
     """
-    return {str(c): next((tol for pat, tol in COLUMN_TOLERANCES if pat.search(str(c))), "exact") for c in df.columns}
+    if seeds is not None and (isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1):
+        raise FisherkronError(f"tolerances(seeds=...) is the number of seeds behind the table's mean ± sd cells "
+                              f"(a positive integer), or None when ± is one evaluation's standard error; got "
+                              f"{seeds!r}")
+    out = {}
+    for c in df.columns:
+        kind = next((k for pat, k in COLUMN_KINDS if pat.search(str(c))), "exact")
+        spec = BASE_TOLERANCES[kind]
+        if kind in ("loss", "perplexity", "accuracy") and seeds is not None:
+            spec += " + " + SEED_MEANS.format(seeds=seeds)
+        elif kind == "accuracy":
+            spec = ACCURACY_SE
+        out[str(c)] = spec
+    return out
 
 
 def save(df: pd.DataFrame, name: str, output_dir, params: dict, *, caption: str, label: str, notebook: str,
-         started: float, extra: dict | None = None) -> list[Path]:
-    """:func:`fisherkron.experiments.figures.save_table` with the columns' verify :func:`tolerances`, then the
-    ``.tex`` rewritten in the paper's layout (:func:`latex`), atomically."""
+         started: float, extra: dict | None = None, seeds: int | None = None) -> list[Path]:
+    """:func:`fisherkron.experiments.figures.save_table` with the columns' verify :func:`tolerances` (``seeds``:
+    the number of seeds behind ``mean ± sd`` cells, if the table has them), then the ``.tex`` rewritten in the
+    paper's layout (:func:`latex`), atomically."""
     from ..env import atomic_write
     from . import figures
 
     paths = figures.save_table(df, name, output_dir, params, caption=caption, label=label, started=started,
-                               notebook=notebook, extra=extra, tolerances=tolerances(df))
+                               notebook=notebook, extra=extra, tolerances=tolerances(df, seeds))
     tex = figures.output_dir(output_dir) / f"{name}.tex"
     atomic_write(tex, lambda t: Path(t).write_text(latex(df, caption, label), encoding="utf-8"))
     return paths
