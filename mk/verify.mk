@@ -8,7 +8,7 @@
 #   make verify-quick            the notebooks that run in minutes from empty caches (<= 20 min on 2 cores)
 #   VERIFY_DATA=fresh|scratch|statistics|shared  empty caches in build/verify/data (default) | the ones the
 #                                last verify left there | data/'s calibration statistics, sweeps, task files
-#                                and fine-tuned encoders linked in,
+#                                and fine-tuned encoders linked in (and the studies' cost measurements copied),
 #                                every compression and score recomputed | data/ (reads and may add entries)
 #   VERIFY_RECORD=data/verify    where each notebook's result is kept (committed; the README's verification
 #                                block renders from it: `make readme`); VERIFY_RECORD= keeps none

@@ -267,8 +267,19 @@ def test_data_modes_link_only_what_they_say(tmp_path, monkeypatch):
     assert all((sd / s).is_symlink() for s in verify.STATISTICS_CACHES)
     # the model loads from data/'s own folder: its path is in the config that the calibration keys hash
     assert env["FISHERKRON_MODELS"] == str(data / "models") and not (sd / "models").exists()
-    assert not (sd / "cache" / "studies").exists()
-    (sd / "cache" / "studies").mkdir()  # a score the run wrote
+    assert not (sd / "cache" / "studies").exists()  # no study result file in data/: nothing carried over
+    env, what = verify._data_env("statistics", scratch)
+    # a study's cost measurements come over, its scores do not; a file without any, or not a result file, stays
+    cost = 'cost|{"k": 64}'
+    (data / "cache" / "studies" / "calibration-x.json").write_text(
+        json.dumps({cost: {"collect_s": 812.0}, "case|k4|gfwsvd|0.1": {"ppl_ptb": 70.1}, "dense": {"ppl_ptb": 56.8}}))
+    (data / "cache" / "studies" / "rank_allocation-y.json").write_text(json.dumps({"case|a": {"ppl_ptb": 1.0}}))
+    (data / "cache" / "studies" / "broken.json").write_text("{")
+    env, what = verify._data_env("statistics", scratch)
+    assert "1 cost measurement(s) of its studies copied" in what
+    assert json.loads((sd / "cache" / "studies" / "calibration-x.json").read_text()) == {cost: {"collect_s": 812.0}}
+    assert sorted(p.name for p in (sd / "cache" / "studies").iterdir()) == ["calibration-x.json"]
+    (sd / "cache" / "studies" / "case.json").write_text("{}")  # a score the run wrote
     env, what = verify._data_env("scratch", scratch)  # resumes the statistics run: same links, same model path
     assert (sd / "cache" / "studies").is_dir() and "resumed" in what
     assert env["FISHERKRON_MODELS"] == str(data / "models") and not (sd / "models").exists()

@@ -9,7 +9,8 @@ Issue 24 ("a reproduction you can check"). For each notebook the driver
    notebook also gets empty caches (``FISHERKRON_DATA=build/verify/data``; only the dequantised
    SmolLM2 folder ``data/models`` is linked in, it is a conversion of a packaged file, not a
    result), so nothing in ``data/cache`` is read or written. ``--data statistics`` links in only the
-   expensive inputs (:data:`STATISTICS_CACHES`: calibration statistics, sensitivity sweeps, task files),
+   expensive inputs (:data:`STATISTICS_CACHES`: calibration statistics, sensitivity sweeps, task files,
+   and the calibration cost measurements of the studies' result files, :data:`MEASUREMENT_RECORDS`),
    so every compression and every score is recomputed in minutes rather than hours;
 2. compares every value of every table it wrote (``<name>.csv``) with the committed
    ``figures/<name>.csv``, column by column, within the column's tolerance
@@ -380,6 +381,13 @@ def write_records(folder: Path, report: Mapping[str, Any], ref: Path) -> list[Pa
 #: take hours recomputes every compression and every score in minutes. A miss in these caches writes
 #: into data/; the score caches (``cache/studies``) start empty.
 STATISTICS_CACHES = ("hf_home", "cache/calibration", "cache/allocation", "cache/lm_eval_tasks", "cache/finetune")
+#: the records ``--data statistics`` also carries over from data/'s study result files
+#: (``cache/studies/<study>-<key>.json``, keys starting so): a calibration setting's cost measured in a fresh
+#: process (collection time, throughput, disk, peak memory). They are inputs of the same kind as the
+#: statistics: timings, which are never compared, and re-measuring them collects the largest settings again in
+#: temporary folders (fig_calibration's k = 64: about 16 GB). Every other record of the file (the scores)
+#: starts empty and is recomputed.
+MEASUREMENT_RECORDS = "cost|"
 
 
 def _utc(t: float | None = None) -> str:
@@ -390,6 +398,26 @@ def _utc(t: float | None = None) -> str:
 def _resumes_statistics(scratch: Path) -> bool:
     """Whether ``scratch`` holds a ``statistics`` run (its calibration cache is still a link to data/)."""
     return (scratch / "data" / "cache" / "calibration").is_symlink()
+
+
+def _seed_measurements(src: Path, dst: Path) -> int:
+    """Copy the :data:`MEASUREMENT_RECORDS` of every study result file in ``src`` into a file of the same name
+    in ``dst`` (nothing else of it); the number of records copied."""
+    n = 0
+    for f in sorted(src.glob("*.json")) if src.is_dir() else []:
+        try:
+            records = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # not a result file, or a damaged one: the run measures again
+        if not isinstance(records, dict):
+            continue
+        keep = {k: v for k, v in records.items() if k.startswith(MEASUREMENT_RECORDS)}
+        if keep:
+            dst.mkdir(parents=True, exist_ok=True)
+            atomic_write(dst / f.name, lambda t, keep=keep: Path(t).write_text(json.dumps(keep, indent=1),
+                                                                               encoding="utf-8"))
+            n += len(keep)
+    return n
 
 
 def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
@@ -414,11 +442,14 @@ def _data_env(mode: str, scratch: Path) -> tuple[dict[str, str], str]:
         if src.is_dir() and not (data / sub).exists():
             (data / sub).parent.mkdir(parents=True, exist_ok=True)
             (data / sub).symlink_to(src.resolve())
+    seeded = _seed_measurements(data_root() / "cache" / "studies", data / "cache" / "studies") \
+        if mode == "statistics" else 0
     env["FISHERKRON_DATA"] = str(data.resolve())
     what = {"fresh": "empty caches",
             "scratch": "the scratch caches of the last run",
-            "statistics": "data/'s calibration statistics, sweeps, task files and fine-tuned encoders linked in, "
-                          "every score recomputed"}[mode]
+            "statistics": "data/'s calibration statistics, sweeps, task files and fine-tuned encoders linked in"
+                          + (f", {seeded} cost measurement(s) of its studies copied" if seeded else "")
+                          + ", every score recomputed"}[mode]
     if statistics and mode == "scratch":
         what += " (a statistics run resumed: data/'s statistics still linked)"
     return env, what + f" ({_rel(data, REPO_ROOT)})"
