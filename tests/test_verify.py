@@ -250,6 +250,23 @@ def test_a_rerun_passes_and_a_perturbed_method_fails(tmp_path):
     assert bad.status == "FAIL" and bad.source == "provenance"
     assert {(f.column, f.label.split(",")[0]) for f in bad.failures} == {("fisher error", "gfwsvd")}
     assert len(bad.failures) == 3 and bad.worst > 1
+    assert not same.notes  # the same declarations on both sides: nothing to say
+
+
+def test_a_rule_changed_since_the_committed_table_is_applied_and_named(tmp_path):
+    """The run's record (the code as it is now) declares the tolerances; where the committed record, written by
+    older code, declared a column otherwise, the report says which and how, so the committed record is not read
+    as the rule the comparison used."""
+    _produce(tmp_path / "committed")
+    _produce(tmp_path / "rerun", perturb=1e-3)
+    rec = tmp_path / "rerun" / "tab_tiny.provenance.json"
+    r = json.loads(rec.read_text())
+    r["tolerances"]["fisher error"] = "rel=10"  # a looser rule in today's code
+    rec.write_text(json.dumps(r))
+    rep = verify.compare_table("tab_tiny", tmp_path / "committed", tmp_path / "rerun")
+    assert rep.status == "PASS" and rep.source == "provenance"
+    assert rep.notes == ["1 column(s) declared otherwise than the committed record, which keeps the declarations "
+                         "of the code that wrote it: 'fisher error' rel=1e-6 -> rel=10"]
 
 
 def test_data_modes_link_only_what_they_say(tmp_path, monkeypatch):

@@ -317,6 +317,13 @@ def compare_table(name: str, ref_dir: Path, new_dir: Path) -> TableReport:
     declared, source = declared_tolerances(name, new_dir, ref_dir)
     rep = compare_frames(name, _read_csv(ref_dir / f"{name}.csv"), _read_csv(new_dir / f"{name}.csv"),
                          declared, source=source)
+    if source == "provenance" and (old := _record(ref_dir, name).get("tolerances")):
+        # the code's rule changed after the committed table was written: its record keeps the rule of then
+        moved = {c: (old.get(c, "none"), t) for c, t in declared.items() if old.get(c) != t}
+        if moved:
+            rep.notes.append(f"{len(moved)} column(s) declared otherwise than the committed record, which keeps "
+                             f"the declarations of the code that wrote it: " +
+                             "; ".join(f"{c!r} {a} -> {b}" for c, (a, b) in moved.items()))
     rep.notebook = nb
     return rep
 
@@ -356,7 +363,7 @@ def notebook_record(notebook: str, report: Mapping[str, Any], ref: Path) -> dict
     return {"version": RECORD_VERSION, "notebook": notebook, "result": result,
             "values": sum(int(t.get("values", 0)) for t in tables),
             "worst": max((float(t.get("worst", 0.0)) for t in tables), default=0.0), "failures": failures,
-            "tables": [{k: t.get(k) for k in ("name", "status", "columns", "values", "worst")}
+            "tables": [{k: t.get(k) for k in ("name", "status", "columns", "values", "worst", "source", "notes")}
                        | {"sha": sha[t["name"]]} for t in tables],
             **per, **{k: report.get(k) for k in ("data", "git", "machine", "started", "finished")}}
 
