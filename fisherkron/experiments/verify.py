@@ -386,7 +386,7 @@ def write_records(folder: Path, report: Mapping[str, Any], ref: Path) -> list[Pa
 #: from (calibration statistics, ASVD's sensitivity sweeps, the packaged lm-eval task files, and the
 #: GLUE study's fine-tuned encoders, its models before compression), so that a notebook whose inputs
 #: take hours recomputes every compression and every score in minutes. A miss in these caches writes
-#: into data/; the score caches (``cache/studies``) start empty.
+#: into data/; the score caches (``cache/studies``) start empty but for :data:`MEASUREMENT_RECORDS`.
 STATISTICS_CACHES = ("hf_home", "cache/calibration", "cache/allocation", "cache/lm_eval_tasks", "cache/finetune")
 #: the records ``--data statistics`` also carries over from data/'s study result files
 #: (``cache/studies/<study>-<key>.json``, keys starting so): a calibration setting's cost measured in a fresh
