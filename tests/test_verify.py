@@ -285,7 +285,6 @@ def test_data_modes_link_only_what_they_say(tmp_path, monkeypatch):
     # the model loads from data/'s own folder: its path is in the config that the calibration keys hash
     assert env["FISHERKRON_MODELS"] == str(data / "models") and not (sd / "models").exists()
     assert not (sd / "cache" / "studies").exists()  # no study result file in data/: nothing carried over
-    env, what = verify._data_env("statistics", scratch)
     # a study's cost measurements come over, its scores do not; a file without any, or not a result file, stays
     cost = 'cost|{"k": 64}'
     (data / "cache" / "studies" / "calibration-x.json").write_text(

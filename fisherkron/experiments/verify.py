@@ -307,7 +307,8 @@ def compare_frames(name: str, ref, new, declared: Mapping[str, str] | None = Non
 def compare_table(name: str, ref_dir: Path, new_dir: Path) -> TableReport:
     """Compare ``new_dir/<name>.csv`` with ``ref_dir/<name>.csv`` within the table's tolerances."""
     ref_dir, new_dir = Path(ref_dir), Path(new_dir)
-    nb = _record(new_dir, name).get("notebook") or _record(ref_dir, name).get("notebook")
+    committed = _record(ref_dir, name)
+    nb = _record(new_dir, name).get("notebook") or committed.get("notebook")
     if not (ref_dir / f"{name}.csv").is_file():
         return TableReport(name, nb, "NEW", notes=[f"no committed {ref_dir}/{name}.csv to compare with"])
     if not (new_dir / f"{name}.csv").is_file():
@@ -317,7 +318,7 @@ def compare_table(name: str, ref_dir: Path, new_dir: Path) -> TableReport:
     declared, source = declared_tolerances(name, new_dir, ref_dir)
     rep = compare_frames(name, _read_csv(ref_dir / f"{name}.csv"), _read_csv(new_dir / f"{name}.csv"),
                          declared, source=source)
-    if source == "provenance" and (old := _record(ref_dir, name).get("tolerances")):
+    if source == "provenance" and (old := committed.get("tolerances")):
         # the code's rule changed after the committed table was written: its record keeps the rule of then
         moved = {c: (old.get(c, "none"), t) for c, t in declared.items() if old.get(c) != t}
         if moved:
