@@ -1,7 +1,10 @@
 """The package's layers, checked on its import graph (read from the source, nothing imported).
 
 core  <-  env  <-  hf  <-  experiments  <-  cli  <-  __main__      (and _version, importable from all)
-Each layer may import only from the layers to its left; the core needs only torch, numpy,
+                  ^-- repro --'
+Each layer may import only from the layers to its left; ``repro`` (the reproduction's tooling:
+running, recording and verifying notebooks, the book) sits on core and env beside hf, and only
+``experiments`` may use it (to save its tables with provenance). The core needs only torch, numpy,
 scipy and tqdm besides the standard library.
 """
 import ast
@@ -18,7 +21,8 @@ ALLOWED = {
     "env": {"core", "env"},
     "testing": {"core", "testing"},
     "hf": {"core", "env", "hf"},
-    "experiments": {"core", "env", "hf", "experiments"},
+    "repro": {"core", "env", "repro"},
+    "experiments": {"core", "env", "hf", "repro", "experiments"},
     "cli": {"core", "env", "hf", "experiments", "cli"},
     "__main__": {"cli"},  # python -m fisherkron (and torchrun -m fisherkron): the command line, nothing else
     "__init__": {"core", "env", "hf", "__init__"},
