@@ -11,7 +11,7 @@ author = "fisherkron contributors"
 copyright = "the fisherkron contributors"
 
 extensions = ["myst_nb", "sphinx.ext.mathjax"]
-exclude_patterns = ["_mathjax", "_build", "**.ipynb_checkpoints"]
+exclude_patterns = ["_mathjax", "_bookstatic", "_generated", "_build", "**.ipynb_checkpoints"]
 root_doc = "index"
 
 # -- notebooks: rendered as committed, never executed --------------------------------------------
@@ -30,8 +30,10 @@ mathjax3_config = {"options": {"processHtmlClass": "tex2jax_process|mathjax_proc
 
 # -- HTML -----------------------------------------------------------------------------------------
 html_theme = "sphinx_book_theme"
-html_title = "fisherkron: the notebooks"
-html_static_path = ["_mathjax"]
+html_title = "fisherkron"
+html_static_path = ["_mathjax", "_bookstatic"]  # MathJax; book/static/ (CSS, JS)
+html_css_files = ["fisherkron.css"]
+html_js_files = ["fisherkron.js"]
 html_favicon = "favicon.svg"
 html_copy_source = True  # the download button offers each page's notebook, outputs included
 html_show_sourcelink = False

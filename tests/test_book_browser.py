@@ -5,9 +5,12 @@ from a local HTTP server, driven over the Chrome DevTools Protocol with ``websoc
 fails on: a console error or an uncaught exception; a request that failed or answered >= 400; a
 request to any address other than this machine; an image that did not load; a link to a page, file
 or anchor of the site that does not exist; mathematics left unrendered (``\\(``, ``\\[``, ``$$`` or
-``$...\\cmd...$`` in the visible text, or a MathJax error). A screenshot of the teaching page is kept
-in ``build/book/screenshots/``. ``test_the_checker_catches_planted_faults`` shows that each check
-can fail.
+``$...\\cmd...$`` in the visible text, or a MathJax error); a page wider than the window, or a table
+or figure wider than the content column outside a scroll container; a figure drawn below
+:data:`MIN_FIGURE_SCALE` of its size that does not open at full size; a path of the build machine in
+the visible text; and a notebook page whose first 1280 x 800 screen holds no result. Screenshots of
+the index and the teaching page are kept in ``build/book/screenshots/``.
+``test_the_checker_catches_planted_faults`` shows that each check can fail.
 
 Chromium is started with a proxy on a closed local port and a resolver that finds no host, so a
 request for an outside address is seen (and fails) here without any traffic leaving the machine.
@@ -43,12 +46,20 @@ TEACHING = "kronecker_fisher_from_scratch.html"
 CHROMIUM = os.environ.get("CHROMIUM", "chromium")
 PAGE_TIMEOUT_S = 60.0  # load and typeset one page (a loaded 2-core machine takes a few seconds)
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
+#: the first screen a reader sees (a laptop window): a notebook page's result must start inside it
+SCREEN = (1280, 800)
+#: a figure drawn at less than this fraction of its pixel size has labels of a few pixels (the
+#: notebooks save at 150 dpi with 9-11 pt text) and must open at full size when clicked
+MIN_FIGURE_SCALE = 0.45
+#: a path of a build machine left in an output (the repository's root, a home folder, a venv)
+MACHINE_PATH = re.compile(r"(?<![\w.~])/(?:home|root|Users|work|private/var)/[\w.-]+|site-packages|\.venv/|"
+                          + re.escape(str(ROOT)))
 #: mathematics MathJax should have replaced, as it would remain in the visible text
 RAW_MATH = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\\begin\{|\$[^$\n]*\\[A-Za-z]+[^$\n]*\$")
 
 #: what a page reports back once loaded and typeset (run in the page)
 PAGE_REPORT_JS = r"""
-(() => {
+((MIN_SCALE) => {
   const skip = new Set(["SCRIPT", "STYLE", "NOSCRIPT", "TEXTAREA", "PRE", "CODE"]);
   const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT, {
     acceptNode(node) {
@@ -61,8 +72,32 @@ PAGE_REPORT_JS = r"""
     }});
   const text = [];
   while (walker.nextNode()) text.push(walker.currentNode.nodeValue);
+  const content = document.querySelector("article.bd-article, main, article") || document.body;
+  const column = content.getBoundingClientRect();
+  const scrolls = (e) => {
+    for (let a = e.parentElement; a && a !== content.parentElement; a = a.parentElement) {
+      const o = getComputedStyle(a).overflowX;
+      if ((o === "auto" || o === "scroll") && a.getBoundingClientRect().width <= column.width + 1) return true;
+    }
+    return false;
+  };
+  const wide = [...content.querySelectorAll("table, img, svg:not(mjx-container svg), iframe")]
+    .filter(e => e.getClientRects().length && e.getBoundingClientRect().width > column.width + 1 && !scrolls(e))
+    .map(e => `${e.tagName.toLowerCase()} ${Math.round(e.getBoundingClientRect().width)} px ` +
+              `(${(e.getAttribute("src") || e.textContent || "").trim().slice(0, 60)})`);
+  const small = [...content.querySelectorAll("img")]
+    .filter(i => i.complete && i.naturalWidth > 0 && i.getClientRects().length)
+    .map(i => ({src: i.currentSrc || i.src, scale: i.getBoundingClientRect().width / i.naturalWidth,
+                opens: !!(i.closest("a[href]") && new URL(i.closest("a[href]").href, location.href).href ===
+                          new URL(i.currentSrc || i.src, location.href).href)}))
+    .filter(i => i.scale < MIN_SCALE && !i.opens);
+  const result = document.querySelector(".result");
   return {
     text: text.join(" "),
+    overflow: document.documentElement.scrollWidth - document.documentElement.clientWidth,
+    wide: wide,
+    small: small,
+    resultTop: result ? result.getBoundingClientRect().top + window.scrollY : null,
     images: [...document.images].map(i => ({src: i.currentSrc || i.src, ok: i.complete && i.naturalWidth > 0})),
     links: [...document.querySelectorAll("a[href]")].map(a => a.href),
     math: document.querySelectorAll(".math").length,
@@ -70,8 +105,8 @@ PAGE_REPORT_JS = r"""
     mathErrors: document.querySelectorAll("[data-mml-node='merror'], mjx-merror, .MathJax_Error, merror").length
                 + (document.body.innerText.match(/Math Processing Error/g) || []).length,
   };
-})()
-"""
+})(%s)
+""" % MIN_FIGURE_SCALE
 #: resolves once MathJax (if the page loads it) has typeset the page: version 3 (the book's) or 2
 MATHJAX_DONE_JS = r"""
 new Promise(resolve => {
@@ -184,7 +219,7 @@ class Browser:
              # nothing leaves the machine: outside hosts go to a closed local port and resolve nowhere
              "--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=127.0.0.1;localhost",
              "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1 , EXCLUDE localhost",
-             "--window-size=1280,1000", "about:blank"],
+             f"--window-size={SCREEN[0]},{SCREEN[1]}", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         port_file = profile / "DevToolsActivePort"
         deadline = time.monotonic() + 60
@@ -199,6 +234,9 @@ class Browser:
         self.session = self.cdp.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.cdp.send(f"{domain}.enable", session=self.session)
+        self.cdp.send("Emulation.setDeviceMetricsOverride", {"width": SCREEN[0], "height": SCREEN[1],
+                                                             "deviceScaleFactor": 1, "mobile": False},
+                      session=self.session)
         self.cdp.send("Network.setCacheDisabled", {"cacheDisabled": True}, session=self.session)
 
     def evaluate(self, expression: str, await_promise: bool = False):
@@ -218,8 +256,9 @@ class Browser:
         self.evaluate("0")  # collects the events that arrived meanwhile
         return events + self.cdp.drain()
 
-    def check(self, page: str) -> list[str]:
-        """Every problem of ``page``, one line each (empty: the page is fine)."""
+    def check(self, page: str, notebook: bool = False) -> list[str]:
+        """Every problem of ``page``, one line each (empty: the page is fine); a ``notebook`` page
+        must also show its result on the first screen."""
         events = self.open(page)
         report = self.evaluate(PAGE_REPORT_JS)
         problems = []
@@ -263,6 +302,17 @@ class Browser:
             problems.append(f"{report['math']} math elements but nothing typeset (MathJax: {self.mathjax})")
         if report["mathErrors"]:
             problems.append(f"{report['mathErrors']} MathJax errors")
+        if report["overflow"] > 1:
+            problems.append(f"the page scrolls sideways: {report['overflow']} px wider than a {SCREEN[0]} px window")
+        problems += [f"wider than the content column, outside a scroll container: {w}" for w in report["wide"]]
+        problems += [f"figure drawn at {i['scale']:.2f} of its size (labels illegible below "
+                     f"{MIN_FIGURE_SCALE}) and not opening at full size: {i['src']}" for i in report["small"]]
+        for match in MACHINE_PATH.finditer(report["text"]):
+            lo = max(0, match.start() - 40)
+            problems.append(f"a path of the build machine: ...{report['text'][lo:match.end() + 40]}...")
+        if notebook and (report["resultTop"] is None or report["resultTop"] > SCREEN[1] - 80):
+            where = "no result block" if report["resultTop"] is None else f"its result starts at {report['resultTop']:.0f} px"
+            problems.append(f"the first {SCREEN[0]} x {SCREEN[1]} screen holds no verdict ({where})")
         return sorted(set(problems), key=problems.index)
 
     def _broken_links(self, page: str, links: list[str]) -> list[str]:
@@ -325,18 +375,31 @@ def test_the_book_was_built():
     assert {f"{n}.html" for n in names} <= set(_pages(BOOK)), "a notebook has no page"
 
 
+NOTEBOOK_PAGES = {f"{p.stem}.html" for p in (ROOT / "notebooks").glob("*.py")}
+
+
 @pytest.mark.parametrize("page", _pages(BOOK))
 def test_page_renders_cleanly(browser, page):
-    problems = browser.check(page)
+    problems = browser.check(page, notebook=page in NOTEBOOK_PAGES)
     assert not problems, f"{page}:\n  " + "\n  ".join(problems)
 
 
 def test_teaching_page_screenshot(browser):
-    assert browser.check(TEACHING) == []
+    assert browser.check(TEACHING, notebook=True) == []
     shot = browser.screenshot(SCREENSHOTS / "kronecker_fisher_from_scratch.png")
     assert shot.stat().st_size > 10_000  # a rendered page, not a blank one
     typeset = browser.evaluate("document.querySelectorAll('mjx-container').length")
     assert typeset > 0, "the teaching page shows no typeset mathematics"
+
+
+def test_index_is_the_results_page(browser):
+    """The index lists every paper item with its verdict, and fits the window (screenshot kept)."""
+    assert browser.check("index.html") == []
+    shot = browser.screenshot(SCREENSHOTS / "index.png")
+    assert shot.stat().st_size > 10_000
+    text = browser.evaluate("document.body.innerText")
+    verdicts = len(re.findall(r"\b(holds in part|holds|not at this scale|cannot tell|does not hold)\b", text))
+    assert verdicts >= 19, f"the index shows {verdicts} verdicts for the paper's 19 items"
 
 
 PLANTED = {
@@ -346,6 +409,14 @@ PLANTED = {
     "outside.html": "<img src='http://book-test.invalid/x.png' alt='x'>",
     "math.html": "<p>the factor \\(A \\otimes B\\) and $\\sigma_1$ left raw</p>",
     "index.html": "<p id='here'>fine</p><a href='index.html#here'>ok</a>",
+    "wide.html": "<table><tr><td style='white-space:nowrap'>" + "0.23 ± 0.07 " * 300 + "</td></tr></table>",
+    "scrolled.html": "<div style='overflow-x:auto'><table><tr><td style='white-space:nowrap'>"
+                     + "0.23 ± 0.07 " * 300 + "</td></tr></table></div>",
+    "tiny.html": "<img src='big.png' alt='x' style='width:300px'>",
+    "opens.html": "<a href='big.png'><img src='big.png' alt='x' style='width:300px'></a>",
+    "path.html": "<p>[PosixPath('/home/someone/fisherkron/figures/fig_x.png')]</p>",
+    "noverdict.html": "<h1>A notebook</h1>" + "<p>parameters</p>" * 60 + "<div class='result'>holds</div>",
+    "verdict.html": "<h1>A notebook</h1><div class='result'>holds</div>",
 }
 
 
@@ -355,9 +426,10 @@ def test_the_checker_catches_planted_faults(tmp_path):
     for name, body in PLANTED.items():
         (site / name).write_text(f"<!doctype html><html><head><link rel='icon' href='data:,'></head>"
                                  f"<body>{body}</body></html>", encoding="utf-8")
+    _png(site / "big.png", 2000, 400)
     b = Browser(site, tmp_path)
     try:
-        found = {name: b.check(name) for name in PLANTED}
+        found = {name: b.check(name, notebook=name.endswith("verdict.html")) for name in PLANTED}
     finally:
         b.close()
     assert found["index.html"] == []
@@ -368,3 +440,24 @@ def test_the_checker_catches_planted_faults(tmp_path):
     assert any(p.startswith("request to an outside address: http://book-test.invalid/")
                for p in found["outside.html"]), found["outside.html"]
     assert sum(p.startswith("unrendered mathematics") for p in found["math.html"]) >= 2, found["math.html"]
+    assert any(p.startswith("the page scrolls sideways") for p in found["wide.html"]), found["wide.html"]
+    assert any(p.startswith("wider than the content column") for p in found["wide.html"]), found["wide.html"]
+    assert found["scrolled.html"] == []
+    assert any(p.startswith("figure drawn at 0.15") for p in found["tiny.html"]), found["tiny.html"]
+    assert found["opens.html"] == []
+    assert any(p.startswith("a path of the build machine") for p in found["path.html"]), found["path.html"]
+    assert any("holds no verdict" in p for p in found["noverdict.html"]), found["noverdict.html"]
+    assert found["verdict.html"] == []
+
+
+def _png(path: Path, width: int, height: int) -> None:
+    """A plain grey PNG of the given size (standard library only)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    raw = b"".join(b"\x00" + b"\x80" * width for _ in range(height))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
