@@ -14,14 +14,17 @@
 # %% [markdown]
 # # Accounting for correlations on synthetic data (paper Sec. 6.1, Fig. "corr", Fig. "diag_full_synth")
 #
-# **Claim.** When the inputs of a layer are correlated, a Fisher approximation that keeps the
-# off-diagonal structure (GFWSVD with the rank-1 Kronecker factors $F \approx A \otimes B$ of
-# Algorithm 1) compresses the layer better than a diagonal Fisher (FWSVD): "while diagonal
-# methods perform adequately in the *isotropic* regime, the GFWSVD factorization provides a
-# substantial advantage as correlations increase ... the performance gap is most pronounced in
-# the *Toeplitz* setting."
+# **Claim (paper Sec. 6.1).** When the inputs of a layer are correlated, a Fisher approximation that
+# keeps the off-diagonal structure (GFWSVD with the rank-1 Kronecker factors $F \approx A \otimes B$
+# of Algorithm 1) compresses the layer better than a diagonal Fisher (FWSVD): "while diagonal methods
+# perform adequately in the *isotropic* regime, the GFWSVD factorization provides a substantial
+# advantage as correlations increase ... the performance gap is most pronounced in the *Toeplitz*
+# setting."
+
+# %% [markdown]
+# ## Experiment
 #
-# **Experiment.** For each of three input covariances $\Sigma$ (isotropic $I$; anisotropic
+# For each of three input covariances $\Sigma$ (isotropic $I$; anisotropic
 # $T T^\top$ for a fixed random transform $T$, rescaled to unit variances; Toeplitz
 # $\Sigma_{ij} = \rho^{|i-j|}$) we draw $x \sim \mathcal N(0, \Sigma)$, label it with a fixed random
 # quadratic teacher (so the classifier needs several input directions), train an MLP from scratch,
@@ -37,7 +40,7 @@
 # GFWSVD $-$ FWSVD (and GFWSVD $-$ SVD) over the low ranks, with its standard error over seeds;
 # the conclusion at the end is computed from it.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make all`); the paper-scale value (`make all PROFILE=paper`,
 # notebooks/params/fig_synthetic_correlations.paper.yaml) in the comment. The paper does not state
 # the sizes of its synthetic experiment; the "paper" profile is a larger, slower run.
@@ -62,7 +65,7 @@ gap_max_rank = 16  # the accuracy gap is averaged over the ranks up to this; pap
 isotropic_tol = 0.01  # "diagonal is adequate" when GFWSVD beats FWSVD by at most this (isotropic); paper: 0.01
 threads = 1  # torch threads (the MLP is tiny: one thread is fastest); paper: 1
 
-# %%
+# %% tags=["hide-input"]
 import time
 
 import matplotlib.pyplot as plt
@@ -126,7 +129,7 @@ print(share.round(3).to_string())
 # %% [markdown]
 # ## Table: accuracy against rank (mean and standard deviation over seeds)
 
-# %%
+# %% tags=["hide-input"]
 comp = summary[summary["method"] != "dense"]
 dense = summary[summary["method"] == "dense"].set_index("covariance")
 table = comp.pivot_table(index=["covariance", "rank"], columns="method", values=["mean", "std"])
@@ -150,7 +153,7 @@ table
 # %% [markdown]
 # ## Fig. "diag_full_synth": accuracy against rank
 
-# %%
+# %% tags=["hide-input"]
 STYLE = {"svd": ("SVD", "tab:gray", "s"), "fwsvd": ("FWSVD (diagonal Fisher)", "tab:orange", "v"),
          "gfwsvd_diag": ("GFWSVD, diag(A), diag(B)", "tab:green", "^"),
          "gfwsvd": ("GFWSVD (rank-1 MFF $A\\otimes B$)", "tab:blue", "o")}
@@ -194,7 +197,7 @@ figures.save_table(gaps, "tab_synthetic_gaps", output_dir, params, started=start
                                "fisher share": "rel=0.05"})  # make verify (seed means: 3 standard errors)
 gaps
 
-# %%
+# %% tags=["hide-input"]
 check = synthetic.claim_check(gaps, versus="fwsvd", isotropic_tol=isotropic_tol)
 g = gaps.set_index(["versus", "covariance"])
 
