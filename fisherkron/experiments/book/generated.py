@@ -1,0 +1,120 @@
+"""Tables of the book's hand-written pages (``book/guide.md``, ``book/reproduce.md``), rendered at build time.
+
+A page includes them (```` ```{include} _generated/verify_record.md ``` ````), so no number in its
+prose is typed by hand. :func:`write_generated` writes ``<out>/_generated/<name>.md`` from the
+committed files only, through the README's renderers (:mod:`fisherkron.experiments.readme`):
+
+* ``verify_record.md``: one row per committed ``make verify`` record (``data/verify/*.json``);
+* ``notebook_costs.md``: each notebook's page, paper item, ``make`` target and committed run time;
+* ``bench.md``: the ``make bench`` machine, table, whole-MiniLM run and speed targets
+  (``figures/bench/``), with its figure copied beside it.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ...env import REPO_ROOT, atomic_write
+from ..readme import Outputs
+from ..readme.formats import machine_name, num, table
+from ..readme.layer_studies import bench_minilm, bench_minutes, bench_table, bench_targets
+from ..readme.reproduce import _changed_since, _other_cpu, make_all_time, notebook_time, verify_records
+from .sources import pages
+
+__all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "write_generated"]
+
+#: the folder, inside the book's source folder, that the pages include from
+FOLDER = "_generated"
+_BENCH = "bench/bench_mff"
+_BENCH_FIGURE = "fig_bench_mff.png"
+
+
+def _page(name: str, root: Path) -> str:
+    """`` `name` `` linked to its notebook's page when the notebook exists."""
+    return f"[`{name}`]({name}.ipynb)" if (root / "notebooks" / f"{name}.py").is_file() else f"`{name}`"
+
+
+def verify_table(out: Outputs, root: Path) -> str:
+    """One compact row per committed ``make verify`` record, in notebook order.
+
+    The values outside tolerance are counted, not listed: each record lists them in its ``failures``.
+    """
+    recs = verify_records(out)
+    rows, outside, stale, crossed = [], 0, [], []
+    for nb, rec in recs.items():
+        result = {"NO TABLE": "ran (writes no table)"}.get(rec["result"], rec["result"])
+        if rec["tables"] and _changed_since(out, rec):
+            stale.append(nb)
+            result += " (a table changed since)"
+        elif rec["result"] == "PASS" and (other := _other_cpu(out, rec)) is not None:
+            crossed.append(f"`{nb}` ({other})")
+        worst = ("" if not rec["tables"] else "identical" if rec["worst"] == 0
+                 else "an exact value differs" if rec["worst"] == float("inf") else num(rec["worst"], 2))
+        outside += len(rec["failures"])
+        rows.append([_page(nb, root), f"**{result}**" if rec["result"] == "FAIL" else result,
+                     num(rec["values"]), worst, rec.get("data") or "not recorded",
+                     machine_name(rec["machine"]) if rec.get("machine") else "not recorded",
+                     (rec.get("finished") or "")[:10] or "not recorded"])
+    if not rows:
+        return "No notebook has been verified yet: `make verify` writes the first records.\n"
+    lines = [table(["notebook", "result", "values checked", "worst margin", "data mode", "machine", "finished"],
+                   rows), "",
+             f"Values outside their tolerance in these runs: {num(outside)}; each record in `data/verify/` "
+             "lists them (table, row, column, committed and new value, tolerance)."]
+    if crossed:
+        lines += ["", "Passed on another CPU model than the one that wrote the committed tables (float32 results "
+                      "differ in their last bits between models): " + ", ".join(crossed) + "."]
+    if stale:
+        lines += ["", "Verified before one of its tables was regenerated (verify again): "
+                      + ", ".join(f"`{n}`" for n in stale) + "."]
+    never = [p.name for p in pages(root) if p.name not in recs]
+    if never:
+        lines += ["", "Not yet verified: " + ", ".join(f"`{n}`" for n in never) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def notebook_costs(out: Outputs, root: Path) -> str:
+    """Each notebook's page, paper item, ``make`` target and the wall time of its committed run."""
+    rows = [[f"[{p.title}]({p.name}.ipynb)", p.paper, f"`make {p.name}`", notebook_time(out, p.name)]
+            for p in pages(root)]
+    return (table(["notebook", "paper item", "target", "committed run"], rows)
+            + f"\n\nIn all: {make_all_time(out)}.\n")
+
+
+def bench(out: Outputs, root: Path) -> str:
+    """The committed ``make bench`` run: its machine, figure, table, whole-MiniLM run and targets."""
+    rec, extra = out.record(_BENCH), out.extra(_BENCH)
+    peak = max(extra["gemm_peak_gflops_start"], extra["gemm_peak_gflops_end"])
+    where = (f"The committed run: `make bench` on a {machine_name(rec['machine'])} (torch "
+             f"{rec['machine'].get('torch', '?')}), {bench_minutes(out)} to its last table, load average "
+             f"{num(extra['load_average'][0], 1)} at its end (the benchmark included), GEMM peak measured in "
+             f"the run {num(peak)} GFLOP/s (the \"% of peak\" column).")
+    figure = f"![MFF benchmark: time per layer, speedups, matvecs per MiniLM layer]({FOLDER}/{_BENCH_FIGURE})"
+    return "\n\n".join([where, figure, bench_table(out), bench_minilm(out),
+                        "The speed targets set for MFF, each met or missed by these numbers:",
+                        bench_targets(out)]) + "\n"
+
+
+_PAGES = {"verify_record": verify_table, "notebook_costs": notebook_costs, "bench": bench}
+
+
+def write_generated(out_dir: Path, root: Path = REPO_ROOT) -> list[Path]:
+    """Write ``out_dir/_generated/<name>.md`` for every generated table (and the benchmark's figure).
+
+    ``root`` is the repository whose committed ``figures/``, ``data/verify/`` and ``notebooks/`` are read.
+    Returns the written paths.
+    """
+    folder = Path(out_dir) / FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    out = Outputs(Path(root) / "figures")
+    written = []
+    for name, render in _PAGES.items():
+        text = render(out, Path(root))
+        path = folder / f"{name}.md"
+        atomic_write(path, lambda tmp, text=text: Path(tmp).write_text(text, encoding="utf-8"))
+        written.append(path)
+    figure = Path(root) / "figures" / "bench" / _BENCH_FIGURE
+    if figure.is_file():
+        shutil.copy2(figure, folder / _BENCH_FIGURE)
+        written.append(folder / _BENCH_FIGURE)
+    return written

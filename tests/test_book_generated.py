@@ -1,0 +1,71 @@
+"""The tables the book's hand-written pages include (fisherkron/experiments/book/generated.py); no notebook runs."""
+import json
+from pathlib import Path
+
+from fisherkron.env import file_checksum
+from fisherkron.experiments.book.generated import FOLDER, verify_table, write_generated
+from fisherkron.experiments.readme import Outputs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rows(text: str) -> list[str]:
+    """The body rows of the Markdown tables in ``text`` (header and rule lines left out)."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    return [line for line in lines if not line.startswith("|---") and not line.startswith("| notebook |")
+            and not line.startswith("| gradients") and not line.startswith("| target |")]
+
+
+def test_every_table_is_written_from_the_committed_files(tmp_path):
+    written = write_generated(tmp_path, ROOT)
+    folder = tmp_path / FOLDER
+    assert {p.name for p in written} >= {"verify_record.md", "notebook_costs.md", "bench.md"}
+    for name in ("verify_record.md", "notebook_costs.md", "bench.md"):
+        text = (folder / name).read_text(encoding="utf-8")
+        assert _rows(text), f"{name} holds no table row"
+        assert "<!--" not in text and "/work/" not in text  # no README markers, no absolute paths
+    bench = (folder / "bench.md").read_text(encoding="utf-8")
+    if "fig_bench_mff.png" in bench:
+        assert (folder / "fig_bench_mff.png").is_file()
+
+
+def test_each_committed_verify_record_has_a_row(tmp_path):
+    write_generated(tmp_path, ROOT)
+    rows = _rows((tmp_path / FOLDER / "verify_record.md").read_text(encoding="utf-8"))
+    records = sorted(p.stem for p in (ROOT / "data" / "verify").glob("*.json"))
+    assert len(rows) == len(records)
+    for name in records:
+        assert sum(f"`{name}`" in row for row in rows) == 1, name
+
+
+def _record(root: Path, notebook: str, result: str, failures: list[str]) -> None:
+    """A verify record of one table whose committed CSV is the one it was compared with, made from a
+    committed record so that it has every field a record has."""
+    (root / "figures").mkdir(exist_ok=True)
+    csv = root / "figures" / f"{notebook}_t.csv"
+    csv.write_text("a\n1\n", encoding="utf-8")
+    rec = json.loads((ROOT / "data" / "verify" / "fig_time_algo.json").read_text(encoding="utf-8"))
+    table = dict(rec["tables"][0], name=f"{notebook}_t", sha=file_checksum(csv), worst=3.5 if failures else 0.0,
+                 status=result)
+    rec.update(notebook=notebook, result=result, values=7, worst=3.5 if failures else 0.0, failures=failures,
+               data="fresh", finished="2030-01-02T03:04:05Z", tables=[table],
+               machine={"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2})
+    (root / "data" / "verify").mkdir(parents=True, exist_ok=True)
+    (root / "data" / "verify" / f"{notebook}.json").write_text(json.dumps(rec), encoding="utf-8")
+
+
+def test_a_failing_record_shows_fail_and_its_count(tmp_path):
+    _record(tmp_path, "nb_bad", "FAIL", ["t row 1 column 'a': committed 1, now 9"])
+    _record(tmp_path, "nb_good", "PASS", [])
+    text = verify_table(Outputs(tmp_path / "figures"), tmp_path)
+    bad, good = (next(r for r in _rows(text) if f"`{n}`" in r) for n in ("nb_bad", "nb_good"))
+    assert "FAIL" in bad and "3.50" in bad and "2-core Intel Xeon" in bad and "2030-01-02" in bad
+    assert "PASS" in good and "FAIL" not in good and "identical" in good
+    assert "outside their tolerance in these runs: 1;" in text
+
+
+def test_a_table_regenerated_since_the_verify_is_named(tmp_path):
+    _record(tmp_path, "nb", "PASS", [])
+    (tmp_path / "figures" / "nb_t.csv").write_text("a\n2\n", encoding="utf-8")
+    text = verify_table(Outputs(tmp_path / "figures"), tmp_path)
+    assert "a table changed since" in text and "verify again" in text
