@@ -17,8 +17,9 @@ BOOK_HTML := $(BOOK)/html
 # rules, so they are not prerequisites (make would run a notebook whose sources are newer than its
 # figures). `book` is rebuilt when the list of inputs, a size or a time of change differs from the
 # last build's (build/book/inputs.sha1), so a second `make book` does nothing.
-BOOK_INPUTS = $(sort $(wildcard book/* README.md fisherkron/experiments/book/*.py notebooks/*.py \
-                notebooks/executed/*.ipynb figures/*.png figures/*.md figures/*.provenance.json))
+BOOK_INPUTS = $(sort $(wildcard book/* book/static/* README.md fisherkron/experiments/book/*.py fisherkron/repro/*.py \
+                notebooks/*.py notebooks/executed/*.ipynb figures/*.png figures/*.md figures/*.csv figures/*.provenance.json \
+                figures/bench/* data/verify/*.json))
 CHROMIUM  ?= chromium
 # Debian packages of the browser test (no recommends: those pull in systemd, CUPS and samba)
 CHROMIUM_APT := chromium fonts-liberation

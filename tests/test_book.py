@@ -1,4 +1,4 @@
-"""The committed executed notebooks and the book's sources (issue 24, item 3); no notebook runs.
+"""The committed executed notebooks and the book's sources; no notebook runs.
 
 The browser test of the built site is tests/test_book_browser.py (`make book-test`).
 """
@@ -11,7 +11,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from fisherkron.core.conventions import FisherkronError
 from fisherkron.experiments.book import sources
+from fisherkron.repro import claims
 from fisherkron.experiments.book.executed import strip_volatile, write_executed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,16 +79,6 @@ def test_every_notebook_has_a_place_in_the_books_order():
     assert set(placed) <= set(NOTEBOOKS), sorted(set(placed) - set(NOTEBOOKS))
 
 
-def test_reproduction_table_links_every_notebook_it_names():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    table = sources.reproduction_table(readme, set(NOTEBOOKS))
-    assert table.startswith("| Paper item |") and "generated:" not in table
-    named = {n for n in NOTEBOOKS if f"`{n}.py`" in readme.split("| Paper item |", 1)[1].split("\n\n", 1)[0]}
-    assert named, "the README's reproduction table names no notebook"
-    for name in named:
-        assert f"[`{name}.py`]({name}.ipynb)" in table
-
-
 def test_sources_show_the_executed_notebook_or_the_committed_outputs(tmp_path):
     executed = tmp_path / "executed"
     executed.mkdir()
@@ -101,25 +93,42 @@ def test_sources_show_the_executed_notebook_or_the_committed_outputs(tmp_path):
     assert [p.name for p in book] == [n for n, _, _ in sources.PAGES if n in NOTEBOOKS]
     assert {p.name for p in book if p.executed} == {"fig_synthetic_correlations"}
     page = nbformat.read(out / "fig_synthetic_correlations.ipynb", as_version=4)
-    assert page.cells[1].outputs[0]["data"]["text/plain"] == "2"
+    assert page.cells[0].source == "# The synthetic study"
+    result = page.cells[1].source  # the result comes right below the title and claim, before any code
+    assert result.startswith("::::{admonition} Result\n:class: result")
+    assert "Fig. diag_full_synth" in result and "**holds" in result
+    assert "_figures/fig_diag_full_synth.png" in result and (out / "_figures/fig_diag_full_synth.png").is_file()
+    assert page.cells[2].outputs[0]["data"]["text/plain"] == "2"
     assert "Not run yet" not in json.dumps(page)
 
     other = nbformat.read(out / "fig_time_algo.ipynb", as_version=4)
-    title = other.cells[0].source
-    assert title.startswith("# ") and "{admonition} Not run yet" in title
-    committed = other.cells[1].source
+    assert other.cells[0].source.startswith("# ")
+    assert "{admonition} Result" in other.cells[1].source and "{admonition} Not run yet" in other.cells[1].source
+    committed = other.cells[2].source
     assert committed.startswith("## Committed outputs")
     assert "![fig_time_algo](_figures/fig_time_algo.png)" in committed and (out / "_figures/fig_time_algo.png").is_file()
     assert (ROOT / "figures/tab_time_algo.md").read_text().strip() in committed
     assert "\n".join(json.loads((ROOT / "figures/fig_singular_values_summary.provenance.json").read_text())["extra"]["lines"]) \
         in nbformat.read(out / "fig_singular_values.ipynb", as_version=4).cells[1].source
+    params = [c for c in other.cells if "parameters" in c.metadata.get("tags", [])]
+    assert params and all("hide-input" in c.metadata["tags"] for c in params)  # collapsed
 
     index = (out / "index.md").read_text()
-    rows = [line for line in index.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
-    assert "kronecker_fisher_from_scratch.ipynb" in rows[0] and "fig_time_algo.ipynb" in rows[1]
-    assert "## The reproduction table (from the README)" in index
+    items = [line for line in index.splitlines() if line.startswith("| ") and "**" in line and ": " in line]
+    assert len(items) == len(claims.ITEMS) == 19, items
+    assert all(any(f"**{v}**" in line for v in claims.VERDICTS) for line in items)
+    assert "[page](fig_synthetic_correlations.ipynb)" in index and "guide\nreproduce" in index
     assert (out / "conf.py").read_text() == (ROOT / "book/conf.py").read_text()
+    assert (out / "guide.md").is_file() and (out / "_bookstatic/fisherkron.css").is_file()
     assert (out / "_mathjax/mathjax/tex-svg.js").is_file()  # conf.py's mathjax_path, served locally
+
+
+def test_a_damaged_verify_record_is_one_line_naming_it(tmp_path):
+    root = tmp_path / "repo"
+    (root / "data" / "verify").mkdir(parents=True)
+    (root / "data" / "verify" / "fig_x.json").write_text('{"notebook": "fig_x", "res')
+    with pytest.raises(FisherkronError, match=r"fig_x\.json.*git checkout"):
+        sources._verify_results(root)
 
 
 def _make_dry_run(*args: str) -> str:

@@ -4,14 +4,18 @@ One page per notebook, in the paper's order (:data:`PAGES`): the committed execu
 ``notebooks/executed/<name>.ipynb`` when there is one; otherwise the jupytext source
 ``notebooks/<name>.py`` without outputs, under a notice that it has not been run yet and above the
 outputs its last run committed to ``figures/`` (figures, tables and the verdict lines of its summary
-record, found through the ``notebook`` field of the provenance records). The index lists the pages
-and repeats the README's reproduction table with its notebooks linked to their pages.
+record, found through the ``notebook`` field of the provenance records). Every notebook page opens
+with its claim and then its **result**, read at build time from the committed records: the paper's
+items it regenerates with their computed verdicts (:mod:`fisherkron.repro.claims`), its key figure
+and the verdict lines of its summary record; the parameter cells (the notebook's own and the one
+papermill injects) are collapsed. The index is the results page: every paper item, the paper's
+number and ours, the verdict, the latest ``make verify`` result, a link to its page. The pages of
+``book/*.md`` (the user guide, the reproduction page) follow the notebooks.
 Sphinx and MyST-NB render the folder (``book/conf.py``); MathJax 3 is copied in from the installed
 ``django-static-mathjax`` package so that the site typesets its mathematics offline.
 """
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -19,9 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from ...core.conventions import FisherkronError
-from ...env import REPO_ROOT, atomic_write
+from ...env import REPO_ROOT, atomic_write, read_committed
+from ..figures import read_provenance
+from ..verify import read_record
+from ...repro import claims
 
-__all__ = ["PAGES", "Page", "pages", "reproduction_table", "committed_outputs", "write_sources"]
+__all__ = ["PAGES", "KEY_FIGURE", "HEADLINE", "Page", "pages", "committed_outputs", "result_markdown",
+           "write_sources"]
 
 #: every notebook, in the order of the paper's text: the teaching notebook, then the paper's items
 #: by section, the appendices, and the studies beyond the paper, each as (name, title in the book's
@@ -48,6 +56,22 @@ PAGES: tuple[tuple[str, str, str], ...] = (
     ("fig_allocation_cost", "Rank allocation: quality against cost",
      "beyond the paper: the allocations' quality against their evaluations"),
 )
+
+
+#: the one figure shown with a page's result (the others stay where the notebook draws them)
+KEY_FIGURE: dict[str, str] = {
+    "kronecker_fisher_from_scratch": "kronecker_fisher_from_scratch.png", "fig_time_algo": "fig_time_algo.png",
+    "fig_singular_values": "fig_singular_values.png", "fig_synthetic_correlations": "fig_diag_full_synth.png",
+    "tab_glue_results": "fig_bert_glue_avg.png", "tab_llm_compression_main": "fig_llm_compression.png",
+    "tab_throughput": "fig_throughput.png", "fig_rank_allocation": "fig_rank_allocation.png",
+    "tab_extra_compression_results": "fig_extra_compression_training.png",
+    "tab_llm_compression_mmlu": "fig_mmlu_avg.png", "fig_calibration": "fig_calibration.png",
+    "fig_allocation_cost": "fig_allocation_cost.png",
+}
+#: the figure above the results table of the index (and of the README)
+HEADLINE = "fig_diag_full_synth.png"
+#: pages written in MyST Markdown in ``book/``, after the notebooks in the navigation
+GUIDE_PAGES = ("guide", "reproduce")
 
 
 @dataclass(frozen=True)
@@ -80,44 +104,11 @@ def pages(root: Path = REPO_ROOT, executed: Path | None = None) -> list[Page]:
             for n in order]
 
 
-_MARKER = re.compile(r"<!-- /?generated:[^ ]* -->")
-
-
-def reproduction_table(readme: str, names: set[str] | None = None) -> str:
-    """The README's reproduction table (the one headed ``| Paper item |``), notebooks linked.
-
-    The ``generated:`` markers around its numbers are dropped and each `` `name.py` `` cell of a
-    notebook in ``names`` becomes a link to that notebook's page.
-
-    >>> text = "intro\\n\\n| Paper item | Notebook |\\n|---|---|\\n| Fig. x | `fig_x.py` |\\n\\nafter"
-    >>> print(reproduction_table(text, {"fig_x"}))
-    | Paper item | Notebook |
-    |---|---|
-    | Fig. x | [`fig_x.py`](fig_x.ipynb) |
-    """
-    lines = readme.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("| Paper item |")), None)
-    if start is None:
-        raise FisherkronError("README.md has no reproduction table (a line starting '| Paper item |'): "
-                              "the book's index repeats it")
-    end = start
-    while end < len(lines) and lines[end].startswith("|"):
-        end += 1
-    table = _MARKER.sub("", "\n".join(lines[start:end]))
-    if names is not None:
-        table = re.sub(r"`([\w-]+)\.py`",
-                       lambda m: f"[`{m[1]}.py`]({m[1]}.ipynb)" if m[1] in names else m[0], table)
-    return table
-
-
 def committed_outputs(name: str, figures: Path) -> list[dict[str, Any]]:
     """The provenance records in ``figures`` written by notebook ``name``, sorted by output name."""
     records = []
     for path in sorted(figures.glob("*.provenance.json")):
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise FisherkronError(f"unreadable provenance record {path}: {exc}; restore it from git") from exc
+        record = read_provenance(path)  # a damaged one: one line naming it and what to do
         if record.get("notebook") == f"notebooks/{name}.py":
             records.append(record)
     return records
@@ -149,7 +140,7 @@ def _outputs_markdown(name: str, figures: Path, images: Path, image_prefix: str)
             shutil.copy2(figures / png, images / png)
             parts.append(f"![{record['name']}]({image_prefix}/{png})")
         for md in mds:
-            parts.append((figures / md).read_text(encoding="utf-8").strip())
+            parts.append(read_committed(figures / md, what="a Markdown table", remake=f"re-run `make {name}`").strip())
         if isinstance(lines, list) and all(isinstance(line, str) for line in lines):
             parts.append("Verdicts computed by the notebook (from its summary record):\n\n" + "\n".join(lines))
         elif isinstance(text, str):
@@ -157,65 +148,165 @@ def _outputs_markdown(name: str, figures: Path, images: Path, image_prefix: str)
     return "\n\n".join(parts)
 
 
-def _page_notebook(page: Page, root: Path, figures: Path, images: Path) -> Any:
+def _summary_lines(name: str, figures: Path) -> list[str]:
+    """The verdict lines of notebook ``name``'s summary record (``extra.lines``, or ``extra.text``)."""
+    path = figures / f"{name}_summary.provenance.json"
+    if not path.is_file():
+        return []
+    extra = read_provenance(path, remake=f"re-run `make {name}`").get("extra") or {}
+    lines = extra.get("lines")
+    if isinstance(lines, list) and all(isinstance(line, str) for line in lines):
+        return lines
+    return [extra["text"]] if isinstance(extra.get("text"), str) else []
+
+
+def _cell(text: str) -> str:
+    """A table cell: no pipe or line break of its own."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def result_markdown(name: str, items: list[dict], figures: Path, image: str | None) -> str:
+    """The result a page opens with: its paper items and their verdicts, its key figure, and the
+    verdict lines its notebook computed, as one MyST admonition of class ``result``."""
+    parts = []
+    mine = [r for r in items if r["notebook"] == name]
+    if mine:
+        parts.append("| item | the paper | here | verdict |\n|---|---|---|---|\n" + "\n".join(
+            f"| {_cell(r['title'])}: {_cell(r['claim'])} | {_cell(r['paper'])} | {_cell(r['ours'])} "
+            f"| **{_cell(r['verdict'])}** |" for r in mine))
+    if image:
+        parts.append(f"![the key figure of this page]({image})")
+    lines = _summary_lines(name, figures)
+    if lines:
+        parts.append("Verdicts computed by the notebook (its summary record, "
+                     f"`figures/{name}_summary.provenance.json`):\n\n" + "\n".join(lines))
+    if not parts:
+        parts.append(f"This notebook has written no verdict yet: `make {name}` runs it.")
+    return "::::{admonition} Result\n:class: result\n\n" + "\n\n".join(parts) + "\n::::"
+
+
+def _collapse_parameters(nb: Any) -> None:
+    """Collapse the parameter cells: the notebook's own (tag ``parameters``) and papermill's
+    (tag ``injected-parameters``); a reader opens them to see what the run used."""
+    for cell in nb.cells:
+        tags = cell.get("metadata", {}).get("tags", [])
+        if cell.cell_type == "code" and {"parameters", "injected-parameters"} & set(tags) \
+                and not {"hide-input", "remove-input", "remove-cell"} & set(tags):
+            cell.metadata["tags"] = [*tags, "hide-input"]
+
+
+def _insert_result(nb: Any, page: Page, result: str) -> None:
+    """The result goes right below the first markdown cell (the title and the claim)."""
+    first = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"), None)
+    at = 0 if first is None or first > 0 else 1
+    if first is None or first > 0:
+        result = f"# {page.title}\n\n{result}"
+    nb.cells.insert(at, _markdown_cell(result))
+
+
+def _page_notebook(page: Page, root: Path, figures: Path, images: Path, items: list[dict]) -> Any:
     import jupytext
     import nbformat
 
     source = f"notebooks/{page.name}.py"
+    key = KEY_FIGURE.get(page.name)
+    image = None
+    if key and (figures / key).is_file():
+        shutil.copy2(figures / key, images / key)
+        image = f"{images.name}/{key}"
+    result = result_markdown(page.name, items, figures, image)
     if page.executed is not None:
-        nb = nbformat.read(page.executed, as_version=4)
+        nb = read_committed(page.executed, lambda text: nbformat.reads(text, as_version=4),
+                            what="an executed notebook (JSON)", remake=f"re-run `make {page.name}`")
+        _collapse_parameters(nb)
+        _insert_result(nb, page, result)
         footer = (f"*This page is the committed run of `{source}` at the embedded default, "
                   f"`notebooks/executed/{page.name}.ipynb`; `make {page.name}` runs it again.*")
         nb.cells.append(_markdown_cell(footer))
         return nb
     nb = jupytext.read(root / source)
+    _collapse_parameters(nb)
     notice = (":::{admonition} Not run yet\n:class: warning\n"
               f"This notebook has not been run since executed notebooks were committed: "
               f"`notebooks/executed/{page.name}.ipynb` does not exist yet. `make {page.name}` runs it "
               "and writes that file; until then this page shows the outputs its last run committed to "
               "`figures/`, then the notebook's source without outputs.\n:::")
+    _insert_result(nb, page, result + "\n\n" + notice)
     outputs = _outputs_markdown(page.name, figures, images, images.name)
-    first = nb.cells[0] if nb.cells and nb.cells[0].cell_type == "markdown" else None
-    if first is not None and first.source.startswith("# "):  # the notice goes right below the title
-        title, _, rest = first.source.partition("\n")
-        first.source = f"{title}\n\n{notice}\n{rest}"
-    else:
-        nb.cells.insert(0, _markdown_cell(f"# {page.title}\n\n{notice}"))
     cells = [_markdown_cell("## Committed outputs\n\n" + (outputs or "This notebook has committed no "
                                                                "outputs to `figures/` yet.")),
              _markdown_cell(f"## Source of the notebook (`{source}`, not executed)")]
-    nb.cells[1:1] = cells
+    nb.cells[2:2] = cells
     return nb
 
 
-def _index(book_pages: list[Page], readme: str) -> str:
-    rows = "\n".join(f"| {i} | [{p.title}]({p.name}.ipynb) | {p.paper} | `{p.name}` | {p.status} |"
-                     for i, p in enumerate(book_pages, 1))
+def _verify_results(root: Path) -> dict[str, str]:
+    """notebook -> the result of its latest ``make verify`` record in ``data/verify/`` (PASS, FAIL, ...)."""
+    out = {}
+    for path in sorted((root / "data" / "verify").glob("*.json")):
+        record = read_record(path)  # a damaged one: one line naming it and what to do
+        out[str(record.get("notebook", path.stem))] = record["result"].split(" (")[0]
+    return out
+
+
+def _index(book_pages: list[Page], items: list[dict], verified: dict[str, str], headline: str | None) -> str:
+    names = {p.name for p in book_pages}
+    rows, group = [], None
+    for r in items:
+        if r["group"] != group:
+            group = r["group"]
+            rows.append(f"| **{_cell(group)}** | | | | | |")
+        link = f"[page]({r['notebook']}.ipynb)" if r["notebook"] in names else "-"
+        rows.append(f"| {_cell(r['title'])}: {_cell(r['claim'])} | {_cell(r['paper'])} | {_cell(r['ours'])} "
+                    f"| **{_cell(r['verdict'])}** | {verified.get(r['notebook'], 'not run')} | {link} |")
+    counts = {v: sum(r["verdict"] == v for r in items) for v in claims.VERDICTS}
+    tally = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+    beyond = [p for p in book_pages if p.name not in {r["notebook"] for r in items}]
     toc = "\n".join(f"{p.title} <{p.name}>" for p in book_pages)
-    table = reproduction_table(readme, {p.name for p in book_pages})
-    run = sum(p.executed is not None for p in book_pages)
-    return f"""# fisherkron: the notebooks of the reproduction
+    guides = "\n".join(GUIDE_PAGES)
+    figure = f"![GFWSVD against the diagonal Fisher as inputs become correlated (Sec. 6.1)]({headline})\n\n" \
+        if headline else ""
+    return f"""# fisherkron: does the paper reproduce?
 
-These pages are the notebooks that reproduce *Scalable Kronecker-Factored Fisher Approximation for
-Neural Network Parameter Sensitivity*, as their last run at the embedded default left them:
-the committed executed notebooks `notebooks/executed/<name>.ipynb`, rendered without running
-anything (`make book`). {run} of {len(book_pages)} notebooks have a committed run; a page without one
-shows the figures and tables its notebook last wrote to `figures/`, then its source.
+fisherkron implements and reproduces *Scalable Kronecker-Factored Fisher Approximation for Neural
+Network Parameter Sensitivity* (ICML 2026) offline, on 2 CPU cores: SmolLM2-135M in the role of
+Llama-2-7B and Llama-3.1-8B, all-MiniLM-L6-v2 in BERT's. Each of the paper's {len(items)} figures and
+tables is regenerated by one notebook, which computes the verdict below from its own numbers
+({tally}). The page of each notebook opens with its claim and result, then the experiment and
+its code. The [teaching notebook](kronecker_fisher_from_scratch.ipynb) writes MFF and Theorem 1 out
+on a layer small enough to print; the [user guide](guide.md) shows how to compress your own model;
+the [reproduction page](reproduce.md) how to regenerate and verify every number here.
 
-| | page | paper item | `make` target | run |
-|---|---|---|---|---|
-{rows}
+{figure}*holds*: as the paper says; *holds in part*: in some settings; *not at this scale*: the
+effect the paper reports does not appear on our small models; *cannot tell*: our evaluation cannot
+separate the rows; *does not hold*: the opposite was measured. *verify*: the latest
+[`make verify`](reproduce.md) of the notebook, re-run and compared value by value with the committed
+tables.
+
+```{{rst-class}} results-table
+```
+
+| paper item: claim | the paper | here | verdict | verify | |
+|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+Beyond the paper: {", ".join(f"[{p.title}]({p.name}.ipynb)" for p in beyond)}.
 
 ```{{toctree}}
 :hidden:
 :maxdepth: 1
+:caption: Notebooks
 
 {toc}
 ```
 
-## The reproduction table (from the README)
+```{{toctree}}
+:hidden:
+:maxdepth: 1
+:caption: Using and reproducing
 
-{table}
+{guides}
+```
 """
 
 
@@ -232,31 +323,41 @@ def _copy_mathjax(static: Path) -> None:
 
 
 def write_sources(out: str | Path, root: Path = REPO_ROOT, executed: Path | None = None,
-                  figures: Path | None = None, readme: Path | None = None) -> list[Page]:
-    """Write the book's Sphinx source folder ``out`` (replaced) and return its pages.
+                  figures: Path | None = None) -> list[Page]:
+    """Write the book's Sphinx source folder ``out`` (replaced) and return its notebook pages.
 
-    ``executed``, ``figures`` and ``readme`` default to ``notebooks/executed``, ``figures`` and
-    ``README.md`` under ``root``. ``out`` holds the files of ``book/`` (``conf.py``),
-    ``index.md``, one ``<name>.ipynb`` per page, ``_figures/`` (images of pages not run yet) and
-    ``_mathjax/mathjax`` (MathJax 3, served from the site's ``_static/mathjax``).
+    ``executed`` and ``figures`` default to ``notebooks/executed`` and ``figures`` under ``root``.
+    ``out`` holds the files of ``book/`` (``conf.py``, the Markdown pages), ``_bookstatic/`` (the
+    book's CSS and script, ``book/static/``), ``index.md`` (the results page), one
+    ``<name>.ipynb`` per notebook, ``_figures/`` (images shown with results and on pages not run
+    yet) and ``_mathjax/mathjax`` (MathJax 3, served from the site's ``_static/mathjax``).
     """
     import nbformat
 
     out = Path(out)
     figures = root / "figures" if figures is None else figures
-    readme = root / "README.md" if readme is None else readme
     book_pages = pages(root, executed)
+    items = claims.results(figures)
     if out.exists():
         shutil.rmtree(out)
     images = out / "_figures"
     images.mkdir(parents=True)
-    for path in sorted((root / "book").glob("*")):  # conf.py, the favicon
+    for path in sorted((root / "book").glob("*")):  # conf.py, the favicon, the Markdown pages
         if path.is_file() and path.suffix != ".pyc":
             shutil.copy2(path, out / path.name)
+    if (root / "book" / "static").is_dir():
+        shutil.copytree(root / "book" / "static", out / "_bookstatic")
     _copy_mathjax(out / "_mathjax")
+    from .generated import write_generated  # it reads this module's pages: imported here, not above
+
+    write_generated(out, root)  # the tables the Markdown pages include (verify records, costs, bench)
     for page in book_pages:
-        nb = _page_notebook(page, root, figures, images)
+        nb = _page_notebook(page, root, figures, images, items)
         atomic_write(out / f"{page.name}.ipynb", lambda tmp, nb=nb: nbformat.write(nb, tmp))
-    index = _index(book_pages, readme.read_text(encoding="utf-8"))
+    headline = None
+    if (figures / HEADLINE).is_file():
+        shutil.copy2(figures / HEADLINE, images / HEADLINE)
+        headline = f"{images.name}/{HEADLINE}"
+    index = _index(book_pages, items, _verify_results(root), headline)
     atomic_write(out / "index.md", lambda tmp: Path(tmp).write_text(index, encoding="utf-8"))
     return book_pages
