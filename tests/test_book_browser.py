@@ -94,6 +94,7 @@ PAGE_REPORT_JS = r"""
   const result = document.querySelector(".result");
   return {
     text: text.join(" "),
+    allText: document.body.innerText,
     overflow: document.documentElement.scrollWidth - document.documentElement.clientWidth,
     wide: wide,
     small: small,
@@ -307,9 +308,9 @@ class Browser:
         problems += [f"wider than the content column, outside a scroll container: {w}" for w in report["wide"]]
         problems += [f"figure drawn at {i['scale']:.2f} of its size (labels illegible below "
                      f"{MIN_FIGURE_SCALE}) and not opening at full size: {i['src']}" for i in report["small"]]
-        for match in MACHINE_PATH.finditer(report["text"]):
+        for match in MACHINE_PATH.finditer(report["allText"]):  # outputs (<pre>) included
             lo = max(0, match.start() - 40)
-            problems.append(f"a path of the build machine: ...{report['text'][lo:match.end() + 40]}...")
+            problems.append(f"a path of the build machine: ...{report['allText'][lo:match.end() + 40]}...")
         if notebook and (report["resultTop"] is None or report["resultTop"] > SCREEN[1] - 80):
             where = "no result block" if report["resultTop"] is None else f"its result starts at {report['resultTop']:.0f} px"
             problems.append(f"the first {SCREEN[0]} x {SCREEN[1]} screen holds no verdict ({where})")
@@ -414,7 +415,7 @@ PLANTED = {
                      + "0.23 ± 0.07 " * 300 + "</td></tr></table></div>",
     "tiny.html": "<img src='big.png' alt='x' style='width:300px'>",
     "opens.html": "<a href='big.png'><img src='big.png' alt='x' style='width:300px'></a>",
-    "path.html": "<p>[PosixPath('/home/someone/fisherkron/figures/fig_x.png')]</p>",
+    "path.html": "<pre>[PosixPath('/home/someone/fisherkron/figures/fig_x.png')]</pre>",
     "noverdict.html": "<h1>A notebook</h1>" + "<p>parameters</p>" * 60 + "<div class='result'>holds</div>",
     "verdict.html": "<h1>A notebook</h1><div class='result'>holds</div>",
 }
