@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..core.basis_sharing import SharedBasisLinear
 from ..core.checks import check_int, check_positive
 from ..core.conventions import FisherkronError
 from ..core.lowrank import LowRankLinear
@@ -50,7 +51,8 @@ from ..env import require, sigterm_as_interrupt
 from .budget import count_params
 from .calibration import default_loss
 from .calibration.keys import data_fingerprint, model_fingerprint
-from .truncation import (batch_index, check_batches, config_key, load_checkpoint, save_checkpoint, to_device,
+from .truncation import (NonFiniteTraining, batch_index, check_batches, check_finite, check_rates, config_key,
+                         load_checkpoint, prepare_checkpoint, save_checkpoint, save_on_interrupt, to_device,
                          uninterrupted)
 
 __all__ = ["LORA", "SCHEDULES", "RecoveryReport", "recover", "rebalance_factors", "lowrank_layers", "lr_factor",
@@ -73,6 +75,22 @@ OVERLAP_SPAN = 100
 def lowrank_layers(model: nn.Module) -> list[str]:
     """Names of the model's :class:`~fisherkron.core.lowrank.LowRankLinear` layers, in module order."""
     return [n for n, mod in model.named_modules() if isinstance(mod, LowRankLinear)]
+
+
+def _untrainable(model: nn.Module, bad: str | None) -> FisherkronError:
+    """Why :func:`recover` can not train ``bad`` (or, with ``None``, the model): a one-line error that
+    names the compressed layers it holds instead (Basis Sharing's share ``W_1`` within a group, and
+    LoRA on a shared factor would give each layer of the group its own update to one matrix)."""
+    mods = dict(model.named_modules())
+    shared = [n for n, mod in mods.items() if isinstance(mod, SharedBasisLinear)]
+    if bad is not None and isinstance(mods.get(bad), SharedBasisLinear) or bad is None and shared:
+        where = bad if bad is not None else f"{shared[0]} and {len(shared) - 1} more" if len(shared) > 1 else shared[0]
+        return FisherkronError(f"recovery trains low-rank factorised layers (LowRankLinear, from fisherkron.compress); "
+                               f"this model's compressed layers ({where}) are Basis Sharing layers "
+                               f"(SharedBasisLinear), which it does not train")
+    if bad is not None:
+        return FisherkronError(f"layer {bad} is not a LowRankLinear of this model")
+    return FisherkronError("the model has no LowRankLinear layer; compress it first")
 
 
 @torch.no_grad()
@@ -158,6 +176,22 @@ def _rng_devices(device: torch.device) -> list:
     return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
 
 
+def _check_merge(wrapped, what: str, step: int, total: int, loss: float, advice: str) -> None:
+    r"""Raise :class:`~fisherkron.hf.truncation.NonFiniteTraining` before the merge if a merged factor
+    ``W + (alpha / r_LoRA) B A`` would not be finite (e.g. a float16 overflow): the merge is in place,
+    and a factor half merged could not be put back."""
+    for name, mod in wrapped.named_modules():
+        if not (hasattr(mod, "get_delta_weight") and hasattr(mod, "get_base_layer")):
+            continue
+        W = mod.get_base_layer().weight  # (rows, cols) of W_1 or W_2
+        for adapter in mod.active_adapters:
+            if adapter in getattr(mod, "lora_A", {}) and \
+                    not bool(torch.isfinite(W + mod.get_delta_weight(adapter).to(W.dtype)).all()):
+                raise NonFiniteTraining(f"{what} stopped after step {step} of {total}: merging the LoRA update into "
+                                        f"{name} gives a factor that is not finite (last loss {loss:.6g}); the model "
+                                        f"is left as it was before the call. {advice}")
+
+
 def recover(model: nn.Module, batches, *, tokens: int | None = None, steps: int | None = None,
             accumulate: int = 1, lr: float = LORA["lr"], schedule: str = "cosine", warmup=0.05,
             min_lr: float = 0.0, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
@@ -191,16 +225,19 @@ def recover(model: nn.Module, batches, *, tokens: int | None = None, steps: int 
         progress: tqdm bar.
 
     On an error or an interruption the LoRA layers are removed and the factors put back as
-    they were, so ``model`` is unchanged. Returns a :class:`RecoveryReport`.
+    they were, so ``model`` is unchanged (its parameters bit for bit, their ``requires_grad``
+    flags, its train/eval mode). A loss, gradient or LoRA weight that is NaN or infinite stops
+    the run at that step with :class:`~fisherkron.hf.truncation.NonFiniteTraining` (as does an
+    update whose merge would overflow); ``min_lr > lr`` and a checkpoint folder that can not be
+    written are refused before any work. Returns a :class:`RecoveryReport`.
     """
     peft = require("peft", "hf")
     batches = check_batches(batches)
     check_int(accumulate, "accumulate", minimum=1)
     check_int(checkpoint_every, "checkpoint_every", minimum=1)
     check_int(lora_rank, "lora_rank", minimum=1)
-    check_positive(lr, "lr")
+    check_rates(lr, min_lr)
     check_positive(lora_alpha, "lora_alpha")
-    check_positive(min_lr, "min_lr", zero_ok=True)
     check_positive(weight_decay, "weight_decay", zero_ok=True)
     if max_grad_norm is not None:
         check_positive(max_grad_norm, "max_grad_norm")
@@ -215,8 +252,10 @@ def recover(model: nn.Module, batches, *, tokens: int | None = None, steps: int 
     mods = dict(model.named_modules())
     bad = [n for n in names if not isinstance(mods.get(n), LowRankLinear)]
     if bad or not names:
-        raise FisherkronError(f"layer {bad[0]} is not a LowRankLinear of this model" if bad else
-                              "the model has no LowRankLinear layer; compress it first")
+        raise _untrainable(model, bad[0] if bad else None)
+    if layers is None and any(isinstance(m, SharedBasisLinear) for m in mods.values()):
+        log.warning("recovery: the model's Basis Sharing layers (SharedBasisLinear) are not trained, only its "
+                    "%d LowRankLinear layers", len(names))
     per_batch = int(batches[0]["input_ids"].numel()) if "input_ids" in batches[0] else 1
     if tokens is not None and steps is not None:
         raise FisherkronError("give tokens= (a budget) or steps=, not both")
@@ -238,41 +277,47 @@ def recover(model: nn.Module, batches, *, tokens: int | None = None, steps: int 
               "model": model_fingerprint(model)}
     key = config_key(config)
     path = Path(checkpoint) if checkpoint is not None else None
+    prepare_checkpoint(path)  # before the model is touched: an unwritable folder fails now
     state = load_checkpoint(path, key, "recovery")
 
     dev = next(model.parameters()).device
+    flags = [(p, p.requires_grad) for p in model.parameters()]  # PEFT freezes every base parameter
+    modes = [(m, m.training) for m in model.modules()]
     saved = {n: (mods[n].first.weight.detach().clone(), mods[n].second.weight.detach().clone())
              for n in names} if rebalance else {}
-    scales = rebalance_factors(model, names) if rebalance else {}
     lora_cfg = peft.LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias="none",
                                target_modules=[f"{n}.{t}" for n in names for t in targets])
-    with torch.random.fork_rng(devices=_rng_devices(dev)), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        torch.manual_seed(seed)
-        wrapped = peft.get_peft_model(model, lora_cfg)
-    trainable = {n: p for n, p in wrapped.named_parameters() if p.requires_grad}
-    opt = torch.optim.AdamW(list(trainable.values()), lr=lr, weight_decay=weight_decay)
-    step, history, seen, seconds, resumed_at = 0, [], 0, 0.0, None
-    if state is not None:
-        with torch.no_grad():
-            for n, p in trainable.items():
-                p.copy_(state["lora"][n])
-        opt.load_state_dict(state["optimizer"])
-        step, history, seen, seconds = state["step"], state["history"], state["tokens"], state["seconds"]
-        resumed_at = step
-        log.info("recovery: resuming %s at step %d of %d", path, step, total_steps)
+    what = "LoRA recovery"
+    advice = (f"Lower the learning rate (lr={lr:g}), train in float32 or bfloat16 rather than float16, "
+              f"or check loss_fn")
+    step, history, seen, seconds, resumed_at, scales = 0, [], 0, 0.0, None, {}
+    wrapped, bar, ready, done = None, None, False, False
 
     def snapshot() -> dict:
         return {"key": key, "lora": {n: p.detach().clone() for n, p in trainable.items()},
                 "optimizer": opt.state_dict(), "step": step, "micro_batch": step * accumulate, "history": history,
                 "tokens": seen, "seconds": seconds + time.perf_counter() - t0}
 
-    was_training = model.training
-    done = False
     t0 = time.perf_counter()
-    bar = tqdm(total=total_steps, initial=step, desc="LoRA recovery", disable=not progress)
-    try:
-        with sigterm_as_interrupt():
+    with sigterm_as_interrupt():
+        try:
+            scales = rebalance_factors(model, names) if rebalance else {}
+            with torch.random.fork_rng(devices=_rng_devices(dev)), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+                torch.manual_seed(seed)
+                wrapped = peft.get_peft_model(model, lora_cfg)
+            trainable = {n: p for n, p in wrapped.named_parameters() if p.requires_grad}
+            opt = torch.optim.AdamW(list(trainable.values()), lr=lr, weight_decay=weight_decay)
+            if state is not None:
+                with torch.no_grad():
+                    for n, p in trainable.items():
+                        p.copy_(state["lora"][n])
+                opt.load_state_dict(state["optimizer"])
+                step, history, seen, seconds = state["step"], state["history"], state["tokens"], state["seconds"]
+                resumed_at = step
+                log.info("recovery: resuming %s at step %d of %d", path, step, total_steps)
+            ready = True
+            bar = tqdm(total=total_steps, initial=step, desc="LoRA recovery", disable=not progress)
             wrapped.train()
             while step < total_steps:
                 lr_t = lr * lr_factor(step, total_steps, warm, schedule, min_lr / lr)
@@ -285,14 +330,18 @@ def recover(model: nn.Module, batches, *, tokens: int | None = None, steps: int 
                     for a in range(accumulate):
                         b = batches[batch_index(step * accumulate + a, len(batches), seed)]
                         value = loss_fn(wrapped, to_device(b, dev))
+                        v = float(value.detach())
+                        check_finite(what, step, total_steps, v, advice=advice)  # before its backward
                         (value / accumulate).backward()
-                        loss += float(value.detach()) / accumulate
+                        loss += v / accumulate
                         step_tokens += int(b["input_ids"].numel()) if "input_ids" in b else 0
+                check_finite(what, step, total_steps, loss, {n: p.grad for n, p in trainable.items()}, advice=advice)
                 if max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(list(trainable.values()), max_grad_norm)
                 record = {"step": step, "loss": loss, "lr": lr_t, "tokens": seen + step_tokens}
                 with uninterrupted():
                     opt.step()
+                    check_finite(what, step, total_steps, loss, trainable, kind="parameter", advice=advice)
                     history.append(record)
                     seen += step_tokens
                     step += 1
@@ -302,24 +351,30 @@ def recover(model: nn.Module, batches, *, tokens: int | None = None, steps: int 
                     save_checkpoint(path, snapshot())
                 if callback is not None:
                     callback(step, record)
-        done = True
-    except KeyboardInterrupt:
-        if path is not None:
-            save_checkpoint(path, snapshot())
-            log.warning("recovery interrupted at step %d of %d; the state is in %s (run again to resume)", step,
-                        total_steps, path)
-        raise
-    finally:
-        bar.close()
-        if done:
-            wrapped.merge_and_unload()
-        else:  # remove LoRA unmerged and put the factors back as they were
-            wrapped.unload()
-            with torch.no_grad():
-                for n, (W1, W2) in saved.items():
-                    mods[n].first.weight.copy_(W1)
-                    mods[n].second.weight.copy_(W2)
-        model.train(was_training)
+            _check_merge(wrapped, what, step, total_steps, history[-1]["loss"] if history else float("nan"),
+                         advice)
+            done = True
+        except KeyboardInterrupt:
+            if ready:
+                save_on_interrupt(path, snapshot, what, step, total_steps)
+            raise
+        finally:
+            with uninterrupted():  # the model back whole, whatever arrives meanwhile
+                if bar is not None:
+                    bar.close()
+                if done:
+                    wrapped.merge_and_unload()
+                else:  # remove LoRA unmerged and put the factors back as they were
+                    if wrapped is not None:
+                        wrapped.unload()
+                    with torch.no_grad():
+                        for n, (W1, W2) in saved.items():
+                            mods[n].first.weight.copy_(W1)
+                            mods[n].second.weight.copy_(W2)
+                for p, flag in flags:
+                    p.requires_grad_(flag)
+                for m, mode in modes:
+                    m.training = mode
     seconds += time.perf_counter() - t0
     after = dict(model.named_modules())
     for n, (rows, cols, r) in shapes.items():

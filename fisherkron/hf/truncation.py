@@ -52,6 +52,13 @@ Deterministic with a seed (data order; the model runs in ``eval()`` mode, no dro
 bar (``progress``), a checkpoint (positions, Adam state, step, data position, loss curve) every
 ``checkpoint_every`` steps and on Ctrl-C / SIGTERM, and a resumed run reproduces the
 uninterrupted one. The checkpoint helpers here are shared with :mod:`fisherkron.hf.recovery`.
+
+**What a failed run leaves.** Both trainers stop at the step where the loss, a gradient or a
+trained parameter stops being finite (:func:`check_finite`: :class:`NonFiniteTraining` names the
+step and the loss) and put the model back as it was before the call. A checkpoint folder is
+made ready before any work (:func:`prepare_checkpoint`: the temporaries of a writer that was
+killed outright are removed, an unwritable folder is a one-line error); each checkpoint is
+written whole, with Ctrl-C and SIGTERM held until it is in place (:func:`save_checkpoint`).
 """
 from __future__ import annotations
 
@@ -60,8 +67,10 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -78,7 +87,7 @@ from ..core.checks import check_int, check_positive
 from ..core.conventions import FisherkronError
 from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
-from ..env import atomic_write, sigterm_as_interrupt
+from ..env import atomic_write, remove_stale_temporaries, sigterm_as_interrupt, temporary_name
 from .allocation import Decompositions
 from .budget import check_ratio, count_params, plan_ranks
 from .calibration import CalibrationStats, default_loss, select_layers
@@ -86,7 +95,7 @@ from .calibration.keys import data_fingerprint
 from .surgery import CompressionReport, compress
 
 __all__ = ["SoftTruncatedLinear", "TruncationReport", "train_truncation", "learn_truncation", "materialise",
-           "budget_ranks", "soft_ratio", "budget_term", "lm_term", "DOBI", "LM_LOSSES"]
+           "budget_ranks", "soft_ratio", "budget_term", "lm_term", "NonFiniteTraining", "DOBI", "LM_LOSSES"]
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +106,111 @@ LM_LOSSES = ("perplexity", "nll")
 CODE_VERSION = "truncation-2"  # enters the checkpoint key: bump when a checkpoint's meaning changes
 
 
-# ----------------------------------------------------------------------------- checkpoints (shared with recovery)
+# ----------------------------------------------------------------------------- checkpoints and safe steps (shared)
+
+class NonFiniteTraining(FisherkronError):
+    """A training run met a NaN or an infinity (loss, gradient or trained parameter) and stopped at that step."""
+
+
+def check_rates(lr: float, min_lr: float) -> None:
+    """Refuse a schedule whose final rate ``min_lr`` exceeds its initial rate ``lr`` (it would anneal upward)."""
+    check_positive(lr, "lr")
+    check_positive(min_lr, "min_lr", zero_ok=True)
+    if min_lr > lr:
+        raise FisherkronError(f"min_lr={min_lr:g} (the final learning rate) exceeds lr={lr:g} (the initial one), "
+                              f"so the rate would anneal upward; pass min_lr <= lr")
+
+
+def first_nonfinite(tensors: Mapping[str, torch.Tensor | None]) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity; ``None`` when all are finite (one sync)."""
+    named = [(n, t.detach()) for n, t in tensors.items() if t is not None]
+    if not named:
+        return None
+    device = named[0][1].device
+    finite = torch.stack([torch.isfinite(t).all().to(device) for _, t in named])  # (len(named),)
+    if bool(finite.all()):
+        return None
+    return named[int((~finite).nonzero()[0])][0]
+
+
+def check_finite(what: str, step: int, total: int, loss: float, tensors: Mapping | None = None, *,
+                 kind: str = "gradient", advice: str = "") -> None:
+    """Stop a training run at the step where a NaN or an infinity appears.
+
+    Raises :class:`NonFiniteTraining` naming step ``step + 1`` of ``total`` and the loss when ``loss``
+    is not finite, or when one of ``tensors`` is not: the gradients before the update
+    (``kind="gradient"``) or the trained parameters after it (``kind="parameter"``). The callers
+    put the model back as it was before the call; ``advice`` says what to try.
+    """
+    if not math.isfinite(loss):
+        why = f"the loss is {loss}"
+    else:
+        name = first_nonfinite(tensors or {})
+        if name is None:
+            return
+        why = (f"the gradient of {name} is not finite" if kind == "gradient" else
+               f"{name} is not finite after the update") + f" (loss {loss:.6g})"
+    raise NonFiniteTraining(f"{what} stopped at step {step + 1} of {total}: {why}; the model is left as it was "
+                            f"before the call. {advice}")
+
 
 def config_key(config: dict) -> str:
     """A hash of a run's configuration (JSON): a checkpoint resumes only the run it belongs to."""
     return hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
 
 
+def prepare_checkpoint(path: Path | None) -> None:
+    """Make ready the folder of checkpoint file ``path`` before a run changes anything.
+
+    Creates the folder, removes the temporaries that a writer killed outright (SIGKILL, a crash)
+    left there (:func:`fisherkron.env.remove_stale_temporaries`: only those whose process is gone),
+    and writes and removes a probe file, so that a folder the run can not write to is a one-line
+    error now, not at the first checkpoint.
+    """
+    if path is None:
+        return
+    if path.is_dir():
+        raise FisherkronError(f"checkpoint={path} is a folder; pass a file in it, e.g. {path / 'checkpoint.pt'}")
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        count, freed = remove_stale_temporaries(folder)
+        fd, probe = tempfile.mkstemp(prefix=temporary_name(path.stem), suffix=".probe", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise FisherkronError(f"cannot write checkpoints in {folder} ({exc.strerror or exc}); nothing was changed. "
+                              f"Make the folder writable, or pass checkpoint= a file in a writable folder") from None
+    if count:
+        log.info("removed %d temporary file(s) of dead processes from %s (%d bytes)", count, folder, freed)
+
+
 def save_checkpoint(path: Path, state: dict) -> None:
-    """Write ``state`` to ``path`` atomically (a temporary file renamed into place)."""
-    atomic_write(path, lambda t: torch.save(state, t))
+    """Write ``state`` to ``path`` atomically (a temporary file renamed into place).
+
+    Ctrl-C and SIGTERM wait until the write is done (:func:`uninterrupted`), so the file is the
+    whole new state or the earlier one and no temporary is left behind; a failed write is a
+    one-line error naming the folder.
+    """
+    with uninterrupted():
+        try:
+            atomic_write(path, lambda t: torch.save(state, t))
+        except OSError as exc:
+            raise FisherkronError(f"cannot write the checkpoint {path} ({exc.strerror or exc}); free space in "
+                                  f"{path.parent} or make it writable, or pass checkpoint= a file elsewhere") from None
+
+
+def save_on_interrupt(path: Path | None, state, what: str, step: int, total: int) -> None:
+    """On Ctrl-C / SIGTERM: keep the training state ``state()`` at ``path``; a failed write is logged, not raised
+    (the interruption goes on)."""
+    if path is None:
+        return
+    try:
+        save_checkpoint(path, state())
+    except FisherkronError as exc:
+        log.warning("%s interrupted at step %d of %d; the state could not be kept: %s", what, step, total, exc)
+        return
+    log.warning("%s interrupted at step %d of %d; the state is in %s (run again to resume)", what, step, total, path)
 
 
 def load_checkpoint(path: Path | None, key: str, what: str) -> dict | None:
@@ -126,15 +230,35 @@ def load_checkpoint(path: Path | None, key: str, what: str) -> dict | None:
 
 @contextlib.contextmanager
 def uninterrupted():
-    """Ctrl-C and SIGTERM wait until the block is done (an optimiser step is applied whole or not at all)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """Ctrl-C and SIGTERM wait until the block is done (an optimiser step, a checkpoint write, the model put
+    back: whole or not at all).
+
+    While the block runs, a handler notes each signal instead of acting (masking the signal would not
+    do: the kernel hands a process-wide signal to any thread that does not mask it, e.g. one of
+    torch's); afterwards the earlier handlers are back and the first signal noted is raised again, so it
+    acts as it would have: ``KeyboardInterrupt`` for Ctrl-C and, under
+    :func:`~fisherkron.env.sigterm_as_interrupt`, for SIGTERM. Only the main thread can install handlers;
+    elsewhere the block runs unchanged.
+    """
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    pending: list[int] = []
+
+    def note(signum, frame):
+        pending.append(signum)
+
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    old = {sig: h for sig, h in old.items() if h is not None}  # None: a handler not set from Python, left alone
+    for sig in old:
+        signal.signal(sig, note)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        if pending:
+            signal.raise_signal(pending[0])
 
 
 def batch_index(j: int, n: int, seed: int) -> int:
@@ -274,6 +398,11 @@ def budget_ranks(soft_ranks: Mapping[str, float], shapes: Mapping[str, tuple[int
     {'a': 3, 'b': 1}
     """
     need = int(need)
+    bad = [n for n, k in soft_ranks.items() if not math.isfinite(float(k))]
+    if bad:
+        raise FisherkronError(f"the soft rank of {bad[0]} is {float(soft_ranks[bad[0]])} ({len(bad)} of "
+                              f"{len(soft_ranks)} layers not finite); train the positions again with a lower "
+                              f"learning rate")
     rmax = {n: max_profitable_rank(*shapes[n]) for n in soft_ranks}
     rank = {}
     for n, k in soft_ranks.items():
@@ -427,9 +556,9 @@ def train_truncation(model: nn.Module, method: str, stats: CalibrationStats | No
     batches = check_batches(batches)
     check_int(accumulate, "accumulate", minimum=1)
     check_int(checkpoint_every, "checkpoint_every", minimum=1)
-    for value, name in ((lr, "lr"), (beta, "beta"), (lam, "lam")):
+    for value, name in ((beta, "beta"), (lam, "lam")):
         check_positive(value, name)
-    check_positive(min_lr, "min_lr", zero_ok=True)
+    check_rates(lr, min_lr)
     if lm_loss not in LM_LOSSES:
         raise FisherkronError(f"lm_loss must be one of {', '.join(LM_LOSSES)}; got {lm_loss!r}")
     if keep not in ("final", "best"):
@@ -445,6 +574,8 @@ def train_truncation(model: nn.Module, method: str, stats: CalibrationStats | No
     total = count_params(model)
     need = math.ceil(ratio * total)
     init_ranks = _init_ranks(model, names, ratio, init)
+    path = Path(checkpoint) if checkpoint is not None else None
+    prepare_checkpoint(path)  # before the weighted SVDs: an unwritable folder fails now
     decs = {n: decompositions.get(mods[n], method, stats, n, mff_options=mff_options, alpha=alpha,
                                   min_alpha=min_alpha, regularization=regularization, asvd_alpha=asvd_alpha,
                                   device=device)[0]
@@ -458,7 +589,6 @@ def train_truncation(model: nn.Module, method: str, stats: CalibrationStats | No
               "options": json.dumps({"regularization": regularization, "alpha": alpha, "min_alpha": min_alpha,
                                      "asvd_alpha": asvd_alpha, "mff_options": repr(mff_options)}, default=str)}
     key = config_key(config)
-    path = Path(checkpoint) if checkpoint is not None else None
     state = load_checkpoint(path, key, "learned-truncation")
 
     soft: dict[str, SoftTruncatedLinear] = {}
@@ -488,12 +618,16 @@ def train_truncation(model: nn.Module, method: str, stats: CalibrationStats | No
                 "history": history, "seconds": seconds, "best": best}
 
     dev = next(iter(soft.values())).Pt.device
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # each module's own mode, put back after eval()
     grads = {name: p.requires_grad for name, p in model.named_parameters()}
+    gammas = {f"the position of {n}": soft[n].gamma for n in names}
+    advice = (f"Lower the learning rate (lr={lr:g}, min_lr={min_lr:g}), train on lm_loss='nll' (exp(NLL) overflows "
+              f"where the NLL passes ~88 in float32), use float32 or bfloat16 rather than float16, or check loss_fn")
+    what = "learned truncation"
     t0 = time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, desc=f"learned truncation ({method})", disable=not progress)
-    try:
-        with sigterm_as_interrupt():
+    with sigterm_as_interrupt():
+        try:
             model.eval()
             model.requires_grad_(False)
             for n in names:
@@ -507,17 +641,22 @@ def train_truncation(model: nn.Module, method: str, stats: CalibrationStats | No
                 for a in range(accumulate):
                     b = batches[batch_index(step * accumulate + a, len(batches), seed)]
                     term = lm_term(model, to_device(b, dev), lm_loss, loss_fn)
+                    value = float(term.detach())
+                    check_finite(what, step, total_steps, value, advice=advice)  # before its backward
                     (term / accumulate).backward()
-                    lm += float(term.detach()) / accumulate
+                    lm += value / accumulate
                 budget, rho, penalty = budget_term(soft, total, ratio, lam)
                 budget.backward()
                 record = {"step": step, "loss": lm + float(penalty.detach()), "lm": lm, "ratio": float(rho.detach()),
                           "penalty": float(penalty.detach()), "lr": lr_t}
+                check_finite(what, step, total_steps, record["loss"], {n: g.grad for n, g in gammas.items()},
+                             advice=advice)
                 with uninterrupted():
                     if keep == "best" and (best is None or record["loss"] < best["loss"]):
                         best = {"loss": record["loss"], "step": step,
                                 "gammas": {n: soft[n].gamma.detach().clone() for n in names}}
                     opt.step()
+                    check_finite(what, step, total_steps, record["loss"], gammas, kind="parameter", advice=advice)
                     history.append(record)
                     step += 1
                 bar.update(1)
@@ -527,20 +666,20 @@ def train_truncation(model: nn.Module, method: str, stats: CalibrationStats | No
                     save_checkpoint(path, {**snapshot(), "seconds": seconds_now})
                 if callback is not None:
                     callback(step, record)
-    except KeyboardInterrupt:
-        if path is not None:
-            save_checkpoint(path, {**snapshot(), "seconds": seconds + time.perf_counter() - t0})
-            log.warning("learned truncation interrupted at step %d of %d; the state is in %s (run again to resume)",
-                        step, total_steps, path)
-        raise
-    finally:
-        bar.close()
-        for n in names:
-            if model.get_submodule(n) is soft[n]:
-                model.set_submodule(n, mods[n])
-        for name, p in model.named_parameters():
-            p.requires_grad_(grads.get(name, p.requires_grad))
-        model.train(was_training)
+        except KeyboardInterrupt:
+            save_on_interrupt(path, lambda: {**snapshot(), "seconds": seconds + time.perf_counter() - t0}, what,
+                              step, total_steps)
+            raise
+        finally:
+            with uninterrupted():  # the dense layers back whole, whatever arrives meanwhile
+                bar.close()
+                for n in names:
+                    if model.get_submodule(n) is soft[n]:
+                        model.set_submodule(n, mods[n])
+                for name, p in model.named_parameters():
+                    p.requires_grad_(grads.get(name, p.requires_grad))
+                for m, mode in modes:
+                    m.training = mode
     seconds += time.perf_counter() - t0
     chosen = best["gammas"] if keep == "best" and best is not None else {n: soft[n].gamma.detach() for n in names}
     with torch.no_grad():
