@@ -14,12 +14,15 @@
 # %% [markdown]
 # # MFF runtime study (paper Sec. 4.2, Fig. time_algo, Tab. time_algo)
 #
-# **Claim.** MFF (Algorithm 1) is tractable for the linear layers of large models: the paper
-# reports 43 s (BERT), 183 s (Llama-2-7B), 249 s (Llama-3.1-8B) and 313 s (Llama-2-13B) per
-# layer on a GPU, and a cost per product with the rearranged Fisher of
+# **Claim (paper Sec. 4.2).** MFF (Algorithm 1) is tractable for the linear layers of large models:
+# 43 s (BERT), 183 s (Llama-2-7B), 249 s (Llama-3.1-8B) and 313 s (Llama-2-13B) per layer on a GPU
+# (Tab. time_algo), at a cost per product with the rearranged Fisher of
 # $\mathcal O(k\,(m n^2 + m^2 n))$ -- exactly $2 k n m (n + m)$ flops (Eq. (12)).
+
+# %% [markdown]
+# ## Experiment
 #
-# **Experiment.** On the current device we time `fisherkron.mff` (float32 GEMMs, Golub-Kahan-Lanczos
+# On the current device we time `fisherkron.mff` (float32 GEMMs, Golub-Kahan-Lanczos
 # from the K-FAC factors, stopped when the estimated error of $A \otimes B$ is below `tol`) on
 # synthetic Kronecker-like gradients $G_i = \sum_t \delta_t x_t^\top$ (`fisherkron.experiments.synthetic_gradients`), against
 # layer size at fixed $k$ and against $k$ at a fixed size, and report flops and achieved GFLOP/s
@@ -36,7 +39,7 @@
 # paper layer next to the paper's GPU time. Our numbers come from this machine (see the
 # provenance record), not the paper's GPU, so compare orders of magnitude, not seconds.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make all`, 2 CPU cores); the paper-scale value
 # (`make all PROFILE=paper`, a GPU) in the comment.
 output_dir = "figures"  # where figures and tables are written (Make passes it); paper: "figures/paper"
@@ -54,7 +57,7 @@ max_measure_seconds = 240.0  # measure a paper layer only if predicted to take l
 memory_fraction = 0.5  # measure a paper layer only if 2 k n m float32 fit in this share of memory; paper: 0.5
 peak_seconds = 3.0  # seconds spent measuring the GEMM peak; paper: 3.0
 
-# %%
+# %% tags=["hide-input"]
 import os
 import time
 
@@ -75,7 +78,10 @@ peak = bench.gemm_peak(dev, seconds=peak_seconds)
 print(f"float32 GEMM peak on {dev}: {peak:.0f} GFLOP/s")
 
 
-# %%
+# %% [markdown]
+# ## The sweeps: time against layer size (fixed $k$) and against $k$ (fixed size)
+
+# %% tags=["hide-input"]
 def run(n, m, k, with_authors):
     """One timed MFF (and authors') run on synthetic gradients; a row of the sweep."""
     syn = bench.synthetic_gradients(n, m, k, tokens=tokens, device=dev)
@@ -96,11 +102,12 @@ sweep[["sweep", "n", "m", "k", "gflop_per_matvec", "ours_matvecs", "ours_s", "ou
        "authors_matvecs", "authors_status"]]
 
 # %% [markdown]
-# Paper layer sizes: measured when the gradients fit and the predicted time (median matvec count of
+# ## The paper's layer sizes
+# Measured when the gradients fit and the predicted time (median matvec count of
 # the sweep times the flops per product over the best measured throughput) is within
 # `max_measure_seconds`; otherwise extrapolated from those same measured numbers.
 
-# %%
+# %% tags=["hide-input"]
 rate = sweep["ours_effective_gflops"].max() * 1e9  # best measured nominal flop/s of the products (2 k n m (n + m) per matvec)
 count = int(sweep["ours_matvecs"].median())
 total_mem = (torch.cuda.mem_get_info(dev)[1] if dev.type == "cuda"
@@ -124,7 +131,10 @@ for model, (n, m) in bench.PAPER_LAYERS.items():
 table = pd.DataFrame(rows)
 table
 
-# %%
+# %% [markdown]
+# ## Fig. time_algo; the tables are saved with it
+
+# %% tags=["hide-input"]
 fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
 s = sweep[sweep["sweep"] == "size"]
 ax = axes[0]
@@ -175,7 +185,7 @@ save_table(sweep.drop(columns=["case"]), "tab_time_algo_sweep", output_dir, para
                        "sweep": "exact", "params_in_layer": "exact",
                        **{c: "timing" for c in ("ours_s", "ours_gflops", "peak_gflops", "ours_pct_peak",
                                                 "ours_effective_gflops", "ours_wall_gflops", "authors_s",
-                                                "authors_gflops", "speedup", "peak_rss_mib")}})
+                                                "authors_gflops", "speedup", "peak_rss_mib")}});
 
 # %% [markdown]
 # ## Conclusion (computed)
