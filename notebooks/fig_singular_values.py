@@ -14,13 +14,16 @@
 # %% [markdown]
 # # Kronecker spectrum of the rearranged Fisher of every linear layer (paper Sec. 4, Fig. singular_values)
 #
-# **Claim (paper Sec. 4, "Rank-1 Kronecker Fisher and multi-term extensions").** On
-# Llama-2-7B-chat, "for some layers the Kronecker spectrum decays slowly, so a rank-1 factor may
-# leave a noticeable fraction of curvature unexplained": the figure shows the singular values of
-# the rearranged Fisher $\mathcal R(F)$ of all 224 linear layers, and of the 74 layers with
-# $\sigma_1/\sigma_2 > 3$, where one Kronecker term $A\otimes B$ dominates.
+# **Claim (paper Sec. 4, "Rank-1 Kronecker Fisher and multi-term extensions").** On Llama-2-7B-chat,
+# "for some layers the Kronecker spectrum decays slowly, so a rank-1 factor may leave a noticeable
+# fraction of curvature unexplained": Fig. singular_values shows the singular values of the rearranged
+# Fisher $\mathcal R(F)$ of all 224 linear layers, and of the 74 layers with $\sigma_1/\sigma_2 > 3$,
+# where one Kronecker term $A\otimes B$ dominates.
+
+# %% [markdown]
+# ## Experiment
 #
-# **Experiment.** For every linear layer of the embedded SmolLM2-135M (Llama role, 210 layers)
+# For every linear layer of the embedded SmolLM2-135M (Llama role, 210 layers)
 # and MiniLM-L6 (BERT role, 36 layers) we compute the top `terms` singular values of
 # $\mathcal R(F) = \frac1k\sum_i G_i^\top\otimes G_i^\top$ from the $k$ calibration gradients
 # (`fisherkron.kronecker_terms`, matrix-free Golub-Kahan-Lanczos), and the share of the Fisher
@@ -45,7 +48,7 @@
 # have that gap and how much of $F$ one term holds. SmolLM2's weights were 4-bit quantised and
 # then dequantised, so its spectra are those of the quantised model.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make all`, 2 CPU cores); the paper-scale value in the comment
 # (`make all PROFILE=paper`, notebooks/params/fig_singular_values.paper.yaml).
 output_dir = "figures"  # paper: "figures/paper"
@@ -65,17 +68,20 @@ k_check_layers = {  # model -> regex of the layers recomputed with k_check gradi
     "minilm": "bert\\.encoder\\.layer\\.0\\..*",
 }  # paper: {"meta-llama/Llama-2-7b-chat-hf": "model\\.layers\\.(0|31)\\.self_attn\\.\\w+"}
 
-# %%
+# %% tags=["hide-input"]
 import re
 import time
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+import transformers
 from IPython.display import Markdown, display
 
 from fisherkron.experiments import figures, spectrum
 
+transformers.logging.set_verbosity_error()  # no load report (MiniLM's classification head is new)
+transformers.utils.logging.disable_progress_bar()
 started = time.perf_counter()
 params = dict(models=models, calib_docs=calib_docs, data_profile=data_profile, terms=terms, tol=tol,
               threshold=threshold, k_check=k_check, k_check_layers=k_check_layers, profile=profile)
@@ -99,7 +105,7 @@ df[["layer", "n", "m", "k", "ratio_12", "share_1", "share_top", "matvecs", "conv
 # %% [markdown]
 # ## The spectra
 
-# %%
+# %% tags=["hide-input"]
 mnames = list(models)
 fig, axes = plt.subplots(len(mnames), 2, figsize=(12, 4.2 * len(mnames)), squeeze=False, sharey="row")
 j = np.arange(1, terms + 1)
@@ -128,12 +134,12 @@ fig.suptitle("Singular values of the rearranged Fisher $\\mathcal{R}(F)$ per lin
              f"(k = {', '.join(f'{n}: {stats[n].k}' for n in mnames)}; SmolLM2 weights 4-bit quantised, dequantised)")
 fig.tight_layout()
 figures.save_figure(fig, "fig_singular_values", output_dir, params, started=started,
-                    notebook="notebooks/fig_singular_values.py")
+                    notebook="notebooks/fig_singular_values.py");
 
 # %% [markdown]
 # ## Per layer type: the gap and the share of one term
 
-# %%
+# %% tags=["hide-input"]
 summary = pd.concat([pd.DataFrame(spectrum.summary_by_type(df[df.model == n].to_dict("records"), threshold))
                      .assign(model=n) for n in mnames], ignore_index=True)
 summary = summary[["model", "type", "layers", "gap_layers", "median_ratio_12", "median_share_1", "min_share_1",
@@ -176,7 +182,7 @@ if len(kdf):
 # %% [markdown]
 # ## Verdicts (computed from the numbers above)
 
-# %%
+# %% tags=["hide-input"]
 lines, verdict = [], {}
 for name in mnames:
     d = df[df.model == name]
@@ -218,4 +224,4 @@ display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "fig_singular_values_summary",
                          figures.provenance("fig_singular_values_summary", params, started=started,
                                             notebook="notebooks/fig_singular_values.py",
-                                            extra={"verdict": verdict, "lines": lines}))
+                                            extra={"verdict": verdict, "lines": lines}));
