@@ -9,6 +9,9 @@ model registry to find a path.
 * :func:`package_dir`: a package's folder, or the one error "package X is not installed";
 * :func:`atomic_path`: the one temporary-name-then-rename helper, for files
   (:func:`atomic_write`) and folders (:func:`atomic_directory`);
+* :func:`read_committed`: the one reader of a committed file the tools render or compare from
+  (tables, provenance and verify records): a missing, empty, binary, cut-short or hand-edited file
+  is one error naming it, what is wrong and what to do (:func:`json_object`, :func:`csv_rows`);
 * :class:`OtherLoad`: how much of the machine other processes used while a timing ran.
 """
 from __future__ import annotations
@@ -16,19 +19,20 @@ from __future__ import annotations
 import errno
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .core.conventions import FisherkronError
 
 __all__ = ["REPO_ROOT", "data_root", "models_root", "set_offline_env", "hub_offline", "OFFLINE_VARS", "offline_advice", "package_dir",
            "require", "atomic_path", "stale_temporaries", "remove_stale_temporaries", "atomic_write", "atomic_directory", "TMP_PREFIX",
-           "OtherLoad"]
+           "OtherLoad", "shown", "read_committed", "json_object", "csv_rows"]
 
 #: The checkout this package was imported from (editable install) or its site-packages parent.
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -311,6 +315,147 @@ def remove_stale_temporaries(folder: str | os.PathLike, stem: str | None = None)
         freed += size
         count += 1
     return count, freed
+
+
+# -- reading committed files back ---------------------------------------------------------------
+_T = TypeVar("_T")
+
+
+def shown(path: str | os.PathLike) -> str:
+    """``path`` as a message names it: relative to the checkout when inside it (``figures/tab_x.csv``)."""
+    path = Path(path)
+    try:
+        return path.resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def read_committed(path: str | os.PathLike, parse: Callable[[str], _T] | None = None, *, what: str = "a text file",
+                   remake: str | None = None, committed: bool = True) -> _T | str:
+    """The text of ``path``, ``parse``d; or one :class:`FisherkronError` naming the file, what is wrong and what to do.
+
+    The one reader of the files that ``make readme``, ``make verify`` and ``make book`` render or compare
+    from. Missing, unreadable, empty, not UTF-8 text (a binary file), or refused by ``parse`` (cut short,
+    hand-edited: any exception ``parse`` raises) all give one line ending in what to do: ``restore it with
+    `git checkout -- FILE` `` (``committed``), and ``remake`` if given (e.g. ``"re-run make verify NB=x"``).
+
+    Args:
+        parse: text -> value, e.g. :func:`json_object` or :func:`csv_rows`; ``None`` returns the text.
+        what: what the file should be, for the message (``"a CSV table"``).
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "r.json"
+    >>> _ = p.write_bytes(b'{"a": 1')
+    >>> read_committed(p, json_object(), what="a JSON record", remake="run `make x`")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    fisherkron.core.conventions.FisherkronError: .../r.json is not a JSON record (Expecting ',' delimiter: line 1 column 8 (char 7)): restore it with `git checkout -- .../r.json` or run `make x`
+    """
+    name = shown(path)
+    todo = " or ".join(([f"restore it with `git checkout -- {name}`"] if committed else [])
+                       + ([remake] if remake else [])) or "write it again"
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise FisherkronError(f"{name} is missing: {todo}") from None
+    except OSError as exc:
+        raise FisherkronError(f"cannot read {name} ({exc.strerror or exc}): {todo}") from None
+    if not data.strip():
+        raise FisherkronError(f"{name} is empty, not {what}: {todo}")
+    try:
+        text = data.decode("utf-8")
+        if "\x00" in text:
+            raise UnicodeDecodeError("utf-8", data, text.index("\x00"), text.index("\x00") + 1, "NUL byte")
+    except UnicodeDecodeError as exc:
+        raise FisherkronError(f"{name} is not {what}: byte {exc.start} is not text (a binary or damaged file): "
+                              f"{todo}") from None
+    if parse is None:
+        return text
+    try:
+        return parse(text)
+    except Exception as exc:  # noqa: BLE001 - whatever the parser refuses is a damaged file: named, not a traceback
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise FisherkronError(f"{name} is not {what} ({why}): {todo}") from None
+
+
+#: JSON value kinds a record field may be required to have: a name for the message and a test
+_JSON_KINDS: dict[str, Callable[[Any], bool]] = {
+    "object": lambda v: isinstance(v, dict),
+    "list": lambda v: isinstance(v, list),
+    "text": lambda v: isinstance(v, str),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+
+
+def _kind(v: Any) -> str:
+    return next((k for k, ok in _JSON_KINDS.items() if k != "integer" and ok(v)), type(v).__name__)
+
+
+def json_object(required: dict[str, str] | None = None, optional: dict[str, str] | None = None,
+                check: Callable[[dict], None] | None = None) -> Callable[[str], dict[str, Any]]:
+    """A parser for :func:`read_committed`: JSON text -> an object whose fields have the kinds given.
+
+    ``required`` / ``optional``: field -> kinds, ``"|"``-separated names of :data:`_JSON_KINDS`
+    (``"number|null"``); an optional field is checked only where present. ``check(obj)`` may test more
+    (raise ``ValueError`` saying what is wrong).
+
+    >>> json_object({"worst": "number"})('{"worst": 0.5}')
+    {'worst': 0.5}
+    >>> json_object({"worst": "number"})('{"worst": "0.5"}')
+    Traceback (most recent call last):
+    ValueError: field 'worst' is text, not number
+    """
+    fields = [(f, k, True) for f, k in (required or {}).items()] + [(f, k, False) for f, k in (optional or {}).items()]
+
+    def parse(text: str) -> dict[str, Any]:
+        obj = json.loads(text)
+        if not isinstance(obj, dict):
+            raise ValueError(f"a JSON {_kind(obj)}, not an object")
+        for f, kinds, needed in fields:
+            if f not in obj:
+                if needed:
+                    raise ValueError(f"field {f!r} is missing")
+                continue
+            if not any(_JSON_KINDS[k](obj[f]) for k in kinds.split("|")):
+                raise ValueError(f"field {f!r} is {_kind(obj[f])}, not {kinds.replace('|', ' or ')}")
+        if check is not None:
+            check(obj)
+        return obj
+
+    return parse
+
+
+def csv_rows(text: str) -> list[dict[str, str]]:
+    """A parser for :func:`read_committed`: CSV text -> its rows as ``{column: cell}``, every row as long as the header.
+
+    A table cut short ends in a row with fewer cells than the header; that, a header without columns
+    or with a repeated name, is refused.
+
+    >>> csv_rows("a,b\\n1,x\\n")
+    [{'a': '1', 'b': 'x'}]
+    >>> csv_rows("a,b\\n1,x\\n2")
+    Traceback (most recent call last):
+    ValueError: row 2 has 1 cell(s), the header 2
+    """
+    import csv
+    import io
+
+    lines = list(csv.reader(io.StringIO(text, newline="")))
+    if not lines or not any(c.strip() for c in lines[0]):
+        raise ValueError("no header line")
+    header = lines[0]
+    if len(set(header)) != len(header):
+        raise ValueError(f"the header repeats a column: {header}")
+    rows = []
+    for i, cells in enumerate(lines[1:], 1):
+        if not cells:  # a blank line
+            continue
+        if len(cells) != len(header):
+            raise ValueError(f"row {i} has {len(cells)} cell(s), the header {len(header)}")
+        rows.append(dict(zip(header, cells)))
+    return rows
 
 
 def file_checksum(path: str | os.PathLike) -> str:

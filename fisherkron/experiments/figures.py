@@ -10,6 +10,10 @@ Notebooks (``notebooks/``) call these helpers so that every artefact in
   and for a table the tolerance of each column that the notebook declared
   (``save_table(..., tolerances=...)``, read by ``make verify``).
 
+:func:`read_provenance` and :func:`read_table` read them back for the tools that render or compare
+from committed outputs (``make readme``, ``make verify``, ``make book``): a damaged file is one error
+naming it and what to do (:func:`fisherkron.env.read_committed`).
+
 Every file is written to a temporary name in the destination folder and moved
 into place (:func:`fisherkron.env.atomic_write`), so an interrupted run never leaves a
 half-written artefact behind. Relative output folders are resolved against the
@@ -31,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from ..core.conventions import FisherkronError
-from ..env import REPO_ROOT, atomic_write
+from ..env import REPO_ROOT, atomic_write, csv_rows, json_object, read_committed, shown
 from . import tolerance
 
 __all__ = ["repo_root", "output_dir", "save_figure", "save_table", "provenance",
-           "write_provenance", "latex_table", "machine_info", "git_commit"]
+           "write_provenance", "read_provenance", "read_table", "latex_table", "machine_info", "git_commit"]
 
 _T0 = time.perf_counter()  # import time of this module: the start of a notebook's clock by default
 
@@ -172,6 +176,65 @@ def write_provenance(folder: str | os.PathLike, name: str, record: Mapping[str, 
     """Write ``record`` to ``<folder>/<name>.provenance.json`` atomically."""
     return _write_text(output_dir(folder) / f"{name}.provenance.json",
                        json.dumps(_jsonable(dict(record)), indent=2, sort_keys=False) + "\n")
+
+
+#: the kinds of a provenance record's fields (:func:`provenance`), checked where present: records of older
+#: runs and of tests lack some
+PROVENANCE_FIELDS = {"name": "text", "notebook": "text|null", "files": "list", "created_utc": "text",
+                     "wall_seconds": "number", "git": "object|null", "parameters": "object", "machine": "object",
+                     "caption": "text", "tolerances": "object", "extra": "object"}
+
+
+def _tolerances_parse(record: dict) -> None:
+    for spec in (record.get("tolerances") or {}).values():
+        tolerance.parse(spec)  # a hand-edited declaration is refused here, naming the file
+
+
+def _remake(notebook: str | None, path: Path) -> str:
+    if notebook:
+        return f"re-run its notebook: `rm {shown(path)} && make {Path(notebook).stem}`"
+    return "re-run the notebook that writes it (`make help` lists them)"
+
+
+def read_provenance(path: str | os.PathLike, *, remake: str | None = None, committed: bool = True) -> dict[str, Any]:
+    """The provenance record at ``path``; a damaged one (not JSON, not an object, a field of another kind,
+    an unreadable tolerance) is one :class:`FisherkronError` naming the file and what to do.
+
+    ``committed``: the file is a committed output (the advice is ``git checkout``), not one a run just wrote;
+    ``remake``: how to write it again (default: re-run the notebook that writes it).
+    """
+    return read_committed(path, json_object(optional=PROVENANCE_FIELDS, check=_tolerances_parse),
+                          what="a provenance record (JSON)", remake=remake or _remake(None, Path(path)),
+                          committed=committed)
+
+
+def read_table(path: str | os.PathLike, *, notebook: str | None = None, remake: str | None = None,
+               committed: bool = True, frame: bool = False):
+    """The rows of the table ``path`` (``<name>.csv``) as ``{column: cell text}``, or with ``frame`` a pandas
+    DataFrame (``pd.read_csv``'s types); a damaged one (empty, binary, cut short) is one
+    :class:`FisherkronError` naming the file and what to do. ``notebook``: the one that writes it, for
+    that advice (default: the one its provenance record names, if that is readable); ``remake``, ``committed``:
+    as for :func:`read_provenance`.
+    """
+    path = Path(path)
+    if notebook is None and remake is None:
+        try:
+            notebook = read_provenance(path.with_suffix(".provenance.json")).get("notebook")
+        except FisherkronError:
+            notebook = None
+
+    def parse(text: str):
+        rows = csv_rows(text)
+        if not frame:
+            return rows
+        import io
+
+        import pandas as pd
+
+        return pd.read_csv(io.StringIO(text))
+
+    return read_committed(path, parse, what="a CSV table", remake=remake or _remake(notebook, path),
+                          committed=committed)
 
 
 # -- figures ---------------------------------------------------------------------

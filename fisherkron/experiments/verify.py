@@ -34,6 +34,12 @@ Issue 24 ("a reproduction you can check"). For each notebook the driver
 A committed table of the notebook that the run did not write, a table with other rows or
 columns, and a table the committed folder lacks are reported too (the first two fail).
 
+Every file is read through :func:`fisherkron.experiments.figures.read_table` /
+:func:`~fisherkron.experiments.figures.read_provenance` (records: :func:`read_record`), and the committed
+tables and records of the notebooks asked for are all read before anything runs or is written: a damaged
+one (empty, binary, cut short, hand-edited) stops the run at once with one line naming the file and what to
+do, exit status 2.
+
 Command line: ``python -m fisherkron.experiments.verify [--nb NAME ...] [--data fresh|scratch|statistics|shared]
 [--no-run] [--record DIR] [--record-from REPORT]``; ``make verify [NB=name]`` and ``make verify-quick`` (mk/verify.mk) call it.
 :func:`compare_frames` is also what ``tests/test_determinism.py`` uses, with every non-timing
@@ -54,13 +60,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..env import REPO_ROOT, OtherLoad, atomic_write, file_checksum
+from ..core.conventions import FisherkronError
+from ..env import REPO_ROOT, OtherLoad, atomic_write, file_checksum, json_object, read_committed
 from . import tolerance as T
 from .execute import execute
 from .execute import rel as _rel
 
 __all__ = ["Failure", "TableReport", "compare_frames", "compare_table", "compare_notebook", "tables_of",
-           "declared_tolerances", "notebook_record", "write_records", "main"]
+           "declared_tolerances", "notebook_record", "write_records", "read_record", "main"]
 
 #: a number in a text cell, thousands separators included ("94,632 ± 15,436" is two numbers, not four)
 _NUM = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+(?:\.\d*)?|\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -124,18 +131,24 @@ class TableReport:
 
 
 # -- reading tables and their declarations -----------------------------------------------------
-def _read_csv(path: Path):
-    import pandas as pd
-
-    return pd.read_csv(path)
+#: the advice for a damaged file that a verify run wrote (not a committed one)
+_RERUN = "run `make verify` again"
 
 
-def _record(folder: Path, name: str) -> dict:
+def _read_csv(path: Path, committed: bool = True):
+    from .figures import read_table
+
+    return read_table(path, frame=True, committed=committed, remake=None if committed else _RERUN)
+
+
+def _record(folder: Path, name: str, committed: bool = True) -> dict:
+    """The provenance record of table ``name`` in ``folder``; ``{}`` if it has none, an error if it is damaged."""
+    from .figures import read_provenance
+
     p = Path(folder) / f"{name}.provenance.json"
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    if not p.exists():
         return {}
+    return read_provenance(p, committed=committed, remake=None if committed else _RERUN)
 
 
 def declared_tolerances(name: str, new_dir: Path, ref_dir: Path | None = None) -> tuple[dict[str, str], str]:
@@ -147,7 +160,7 @@ def declared_tolerances(name: str, new_dir: Path, ref_dir: Path | None = None) -
     from .verify_tolerances import TOLERANCES
 
     for folder, source in ((new_dir, "provenance"), (ref_dir, "committed provenance")):
-        if folder is not None and (tol := _record(folder, name).get("tolerances")):
+        if folder is not None and (tol := _record(folder, name, committed=folder == ref_dir).get("tolerances")):
             return dict(tol), source + (" (also in verify_tolerances.py: that one is ignored)"
                                         if name in TOLERANCES else "")
     if name in TOLERANCES:
@@ -155,11 +168,11 @@ def declared_tolerances(name: str, new_dir: Path, ref_dir: Path | None = None) -
     return {}, "none"
 
 
-def tables_of(folder: Path, notebook: str | None = None) -> list[str]:
+def tables_of(folder: Path, notebook: str | None = None, committed: bool = True) -> list[str]:
     """Tables (``<name>.csv`` with a provenance record) in ``folder``, those of ``notebook`` only if given."""
     out = []
     for csv in sorted(Path(folder).glob("*.csv")):
-        rec = _record(folder, csv.stem)
+        rec = _record(folder, csv.stem, committed)
         if notebook is None or rec.get("notebook") == f"notebooks/{notebook}.py":
             out.append(csv.stem)
     return out
@@ -308,7 +321,7 @@ def compare_table(name: str, ref_dir: Path, new_dir: Path) -> TableReport:
     """Compare ``new_dir/<name>.csv`` with ``ref_dir/<name>.csv`` within the table's tolerances."""
     ref_dir, new_dir = Path(ref_dir), Path(new_dir)
     committed = _record(ref_dir, name)
-    nb = _record(new_dir, name).get("notebook") or committed.get("notebook")
+    nb = _record(new_dir, name, committed=new_dir == ref_dir).get("notebook") or committed.get("notebook")
     if not (ref_dir / f"{name}.csv").is_file():
         return TableReport(name, nb, "NEW", notes=[f"no committed {ref_dir}/{name}.csv to compare with"])
     if not (new_dir / f"{name}.csv").is_file():
@@ -316,8 +329,8 @@ def compare_table(name: str, ref_dir: Path, new_dir: Path) -> TableReport:
         rep.failures.append(Failure(name, None, "", None, "(table)", "(missing)", None, None, "table not written"))
         return rep
     declared, source = declared_tolerances(name, new_dir, ref_dir)
-    rep = compare_frames(name, _read_csv(ref_dir / f"{name}.csv"), _read_csv(new_dir / f"{name}.csv"),
-                         declared, source=source)
+    rep = compare_frames(name, _read_csv(ref_dir / f"{name}.csv"),
+                         _read_csv(new_dir / f"{name}.csv", committed=new_dir == ref_dir), declared, source=source)
     if source == "provenance" and (old := committed.get("tolerances")):
         # the code's rule changed after the committed table was written: its record keeps the rule of then
         moved = {c: (old.get(c, "none"), t) for c, t in declared.items() if old.get(c) != t}
@@ -331,13 +344,45 @@ def compare_table(name: str, ref_dir: Path, new_dir: Path) -> TableReport:
 
 def compare_notebook(notebook: str, ref_dir: Path, new_dir: Path) -> list[TableReport]:
     """Every table that ``notebook`` wrote to ``new_dir`` or that ``ref_dir`` holds from it, compared."""
-    names = sorted(set(tables_of(new_dir, notebook)) | set(tables_of(ref_dir, notebook)))
+    names = sorted(set(tables_of(new_dir, notebook, committed=new_dir == ref_dir)) | set(tables_of(ref_dir, notebook)))
     return [compare_table(n, ref_dir, new_dir) for n in names]
+
+
+def _check_committed(ref_dir: Path, notebooks: list[str]) -> int:
+    """Read every committed table of ``notebooks`` and every provenance record in ``ref_dir`` (which say which
+    table is whose): a damaged one raises the one-line error before anything runs. The tables read."""
+    wanted, n = {f"notebooks/{nb}.py" for nb in notebooks}, 0
+    for csv in sorted(Path(ref_dir).glob("*.csv")):
+        if _record(ref_dir, csv.stem).get("notebook") in wanted:
+            _read_csv(csv)
+            n += 1
+    return n
 
 
 # -- the committed record of each verification ---------------------------------------------------
 #: the version of a record's layout (data/verify/<notebook>.json)
 RECORD_VERSION = 1
+#: the kinds of a record's fields (:func:`notebook_record`): those the README and the book read are required
+RECORD_FIELDS = {"result": "text", "values": "integer", "worst": "number", "failures": "list", "tables": "list"}
+RECORD_OPTIONAL = {"version": "integer", "notebook": "text", "seconds": "number|null", "cpu_seconds": "number|null",
+                   "others_cpu_share": "number|null", "data": "text|null", "git": "object|null",
+                   "machine": "object|null", "started": "text|null", "finished": "text|null"}
+
+
+def _record_check(rec: dict) -> None:
+    if not all(isinstance(f, str) for f in rec["failures"]):
+        raise ValueError("field 'failures' holds something other than text lines")
+    for i, t in enumerate(rec["tables"], 1):
+        if not (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("sha"), (str, type(None)))):
+            raise ValueError(f"table {i} of field 'tables' is not an object with a 'name' and a 'sha'")
+
+
+def read_record(path: str | Path) -> dict[str, Any]:
+    """The ``make verify`` record at ``path`` (``data/verify/<notebook>.json``); a damaged one (cut short,
+    hand-edited to other kinds of fields) is one :class:`FisherkronError` naming it and what to do."""
+    path = Path(path)
+    return read_committed(path, json_object(RECORD_FIELDS, RECORD_OPTIONAL, _record_check),
+                          what="a `make verify` record (JSON)", remake=f"re-run `make verify NB={path.stem}`")
 
 
 def notebook_record(notebook: str, report: Mapping[str, Any], ref: Path) -> dict[str, Any]:
@@ -370,16 +415,17 @@ def notebook_record(notebook: str, report: Mapping[str, Any], ref: Path) -> dict
 
 
 def write_records(folder: Path, report: Mapping[str, Any], ref: Path) -> list[Path]:
-    """``folder/<notebook>.json`` for every notebook of ``report`` (written atomically); their paths."""
+    """``folder/<notebook>.json`` for every notebook of ``report`` (written atomically); their paths.
+
+    Every record is made before the first is written, so a report that cannot be read writes none.
+    """
     folder = Path(folder)
+    recs = [notebook_record(n, report, ref) for n in report.get("notebooks", [])]
     folder.mkdir(parents=True, exist_ok=True)
-    out = []
-    for n in report.get("notebooks", []):
-        rec = notebook_record(n, report, ref)
-        out.append(atomic_write(folder / f"{n}.json",
-                                lambda t, rec=rec: Path(t).write_text(json.dumps(rec, indent=1, default=str) + "\n",
-                                                                      encoding="utf-8")))
-    return out
+    return [atomic_write(folder / f"{rec['notebook']}.json",
+                         lambda t, rec=rec: Path(t).write_text(json.dumps(rec, indent=1, default=str) + "\n",
+                                                               encoding="utf-8"))
+            for rec in recs]
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -469,6 +515,15 @@ def _all_notebooks(root: Path, profile: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module's docstring); a missing or damaged input is one line on stderr, exit 2."""
+    try:
+        return _main(argv)
+    except FisherkronError as exc:
+        print(f"[verify] error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fisherkron.experiments.verify", description=__doc__.split("\n")[0])
     ap.add_argument("--nb", action="append", default=[],
                     help="notebook(s) to check (space- or comma-separated, repeatable; default: every notebook)")
@@ -490,10 +545,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.record_from:
         if not a.record:
             ap.error("--record-from needs --record DIR (where the records go)")
-        report = json.loads(Path(a.record_from).read_text(encoding="utf-8"))
+        report = read_committed(a.record_from, json_object({"notebooks": "list", "tables": "list"}),
+                                what="a `make verify` report (JSON)", committed=False,
+                                remake="pass the report.json that a finished `make verify` run wrote")
         if not report.get("finished"):  # a report from before it said: the time it was written
             report["finished"] = _utc(Path(a.record_from).stat().st_mtime)
-        for p in write_records(root / a.record, report, ref):  # an absolute DIR stays itself
+        try:
+            written = write_records(root / a.record, report, ref)  # an absolute DIR stays itself
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise FisherkronError(f"{a.record_from} is not a `make verify` report ({type(exc).__name__}: {exc}): "
+                                  f"pass the report.json that a finished `make verify` run wrote") from None
+        for p in written:
             print(f"[verify] recorded {_rel(p, root)}")
         return 0
     names = [n for arg in a.nb for n in re.split(r"[\s,]+", arg) if n] or _all_notebooks(root, "default")
@@ -501,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"[verify] no notebook {', '.join(unknown)} in notebooks/", file=sys.stderr)
         return 2
+    _check_committed(ref, names)  # a damaged committed table or record: one line, before anything runs or is written
     scratch = (root / a.scratch) if not Path(a.scratch).is_absolute() else Path(a.scratch)
     figdir, nb_build, logs = scratch / "figures", scratch / "notebooks", scratch / "logs"
     from .figures import git_commit, machine_info

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
-from ...env import atomic_write
+from ...env import atomic_write, json_object, read_committed
 
 __all__ = ["VOLATILE_CELL_KEYS", "strip_volatile", "write_executed"]
 
@@ -71,7 +70,8 @@ def write_executed(src: str | Path, dst: str | Path) -> Path:
     """
     import nbformat
 
-    nb = strip_volatile(json.loads(Path(src).read_text(encoding="utf-8")))
+    nb = strip_volatile(read_committed(src, json_object(), what="an executed notebook (JSON)", committed=False,
+                                       remake=f"re-run `make {Path(src).stem}`"))
     text = nbformat.writes(nbformat.from_dict(nb), version=nbformat.NO_CONVERT) + "\n"
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(dst, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

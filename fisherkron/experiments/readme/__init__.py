@@ -21,13 +21,17 @@ committed files -- the tables ``figures/*.csv``, the summary records (the ``"ext
   regenerated table leaves the two apart.
 
 Text outside the blocks is hand-written; in the results sections it carries no measured number.
+
+Every committed file is read through :func:`fisherkron.experiments.figures.read_table` /
+:func:`~fisherkron.experiments.figures.read_provenance` (and the verify records through
+:func:`fisherkron.experiments.verify.read_record`), so a missing or damaged one is one error naming it
+and what to do; a renderer that fails on what a readable file holds (a hand-edited field deep in a
+summary record) names the files its block read. Either way nothing is written and the exit status is 2.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import difflib
-import json
 import re
 import sys
 from collections.abc import Callable
@@ -36,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from ...core.conventions import FisherkronError
-from ...env import REPO_ROOT, atomic_write
+from ...env import REPO_ROOT, atomic_write, read_committed, shown
+from ..figures import read_provenance, read_table
 
 __all__ = ["Outputs", "BLOCK", "WIDTH", "renderers", "blocks", "wrap", "render", "check", "main"]
 
@@ -58,24 +63,33 @@ class Outputs:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        self.table = cache(self._table)
-        self.record = cache(self._record)
+        self._table = cache(self._read_table)
+        self._record = cache(self._read_record)
+        #: every file a renderer asked for, in order (repeats too): the files a failing block names
+        self.seen: list[Path] = []
 
-    def _path(self, name: str, suffix: str) -> Path:
-        p = self.folder / f"{name}{suffix}"
-        if not p.is_file():
-            raise FisherkronError(f"{p} is missing: the README's blocks render from the committed outputs "
-                                  f"in {self.folder}; restore it (git checkout) or regenerate it with make")
-        return p
-
-    def _table(self, name: str) -> list[dict[str, Any]]:
+    def table(self, name: str) -> list[dict[str, Any]]:
         """The rows of ``<name>.csv``; cells that parse as numbers are floats, empty cells None."""
-        with open(self._path(name, ".csv"), newline="", encoding="utf-8") as fh:
-            return [{k: _cell(v) for k, v in row.items()} for row in csv.DictReader(fh)]
+        self.seen.append(self.folder / f"{name}.csv")
+        return self._table(name)
 
-    def _record(self, name: str) -> dict[str, Any]:
+    def record(self, name: str) -> dict[str, Any]:
         """The provenance record ``<name>.provenance.json``."""
-        return json.loads(self._path(name, ".provenance.json").read_text(encoding="utf-8"))
+        self.seen.append(self.folder / f"{name}.provenance.json")
+        return self._record(name)
+
+    def markdown(self, name: str) -> str:
+        """The text of ``<name>.md`` (a table as the notebook printed it)."""
+        path = self.folder / f"{name}.md"
+        self.seen.append(path)
+        return read_committed(path, what="a Markdown table", remake="re-run the notebook that writes it "
+                                                                    "(`make help` lists them)")
+
+    def _read_table(self, name: str) -> list[dict[str, Any]]:
+        return [{k: _cell(v) for k, v in row.items()} for row in read_table(self.folder / f"{name}.csv")]
+
+    def _read_record(self, name: str) -> dict[str, Any]:
+        return read_provenance(self.folder / f"{name}.provenance.json")
 
     def extra(self, name: str) -> dict[str, Any]:
         """The ``"extra"`` of a record: a notebook's computed summary and verdicts."""
@@ -203,8 +217,23 @@ def _words(text: str) -> list[str]:
     return words
 
 
+#: what a renderer raises when a readable file holds something other than it expects (a hand-edited field)
+_DAMAGE = (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError)
+
+
 def _rendered(name: str, body: str, indent: str, out: Outputs) -> str:
-    text = _renderer(name)(out).strip("\n")
+    render, start = _renderer(name), len(out.seen)
+    try:
+        text = render(out).strip("\n")
+    except FisherkronError:
+        raise
+    except _DAMAGE as exc:
+        read = list(dict.fromkeys(shown(p) for p in out.seen[start:])) or [shown(out.folder)]
+        why = (str(exc).strip().splitlines() or [""])[0]
+        raise FisherkronError(
+            f"README block {name!r} cannot be rendered from {', '.join(read)} ({type(exc).__name__}: {why}): if one "
+            f"of them was edited by hand or is damaged, restore it with `git checkout -- FILE` or re-run its "
+            f"notebook; if none was, the block's renderer in fisherkron/experiments/readme/ needs a fix") from None
     if not body.startswith("\n"):  # inline, inside one line
         return text
     lines = [w for line in text.split("\n") for w in wrap(indent + line if line else line)]
@@ -246,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     path = Path(a.readme)
     folder = Path(a.figures) if a.figures else path.resolve().parent / "figures"
-    text = path.read_text(encoding="utf-8")
     try:
+        text = read_committed(path, what="a Markdown text")
         if a.check:
             problems = check(text, folder)
             for p in problems:

@@ -3,7 +3,6 @@ what ``make verify`` found, from its committed records in ``data/verify/``.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,9 +34,13 @@ def make_all_time(out: Outputs) -> str:
 
 # -- Reproduce the paper: what make verify found ------------------------------------------------
 def verify_records(out: Outputs) -> dict[str, dict]:
-    """The committed ``make verify`` records (``data/verify/<notebook>.json`` beside ``figures/``), by notebook."""
-    folder = out.folder.parent / "data" / "verify"
-    return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("*.json"))}
+    """The committed ``make verify`` records (``data/verify/<notebook>.json`` beside ``figures/``), by notebook;
+    a damaged one is the one-line error of :func:`fisherkron.experiments.verify.read_record`."""
+    from ..verify import read_record
+
+    paths = sorted((out.folder.parent / "data" / "verify").glob("*.json"))
+    out.seen += paths
+    return {p.stem: read_record(p) for p in paths}
 
 
 def _changed_since(out: Outputs, rec: dict) -> list[str]:

@@ -51,7 +51,7 @@ def study_table(out: Outputs, name: str) -> str:
     if not (_committed(out, name, ".md") and _committed(out, name, ".provenance.json")):
         return _pending(notebook)
     rec = out.record(name)
-    body = (out.folder / f"{name}.md").read_text(encoding="utf-8").strip()
+    body = out.markdown(name).strip()
     caption = rec.get("caption")
     head = f"`figures/{name}.md`, written by `make {notebook}` in {secs(out.wall(name))} on {cpu(out, name)}"
     lines = [f"**{head}.**" + (f" {caption}" if caption else ""), "", body]
