@@ -5,8 +5,10 @@ Each case is a regression test on tiny random models (tests/tiny_models.py):
 1. a save works into any writable folder, a mount point included (simulated: renaming the
    folder, or anything across its boundary, fails as the kernel makes it fail, with
    ``EBUSY`` / ``EXDEV``), and a failure at any step -- or a killed process -- leaves the
-   earlier save bit for bit as it was;
-2. an overwrite never replaces a file of the user's;
+   earlier save bit for bit as it was; SIGTERM is handled like Ctrl-C and leaves no
+   temporary behind;
+2. an overwrite never replaces a file of the user's, nor one the save wrote and the user
+   edited since;
 3. a load reads only the files the manifest lists;
 4. a model without ``save_pretrained``, a hand-edited manifest and a read-only folder are
    one-line errors.
@@ -16,9 +18,11 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +35,7 @@ import fisherkron.hf.transaction as transaction
 from fisherkron.cli import main
 from fisherkron.core.conventions import FisherkronError
 from fisherkron.core.lowrank import LowRankLinear
-from fisherkron.env import TMP_PREFIX
+from fisherkron.env import TMP_PREFIX, sigterm_as_interrupt
 from fisherkron.hf.saving import MANIFEST, load_compressed, save_compressed
 from fisherkron.hf.surgery import compress
 
@@ -279,6 +283,83 @@ def test_a_killed_save_is_undone_by_the_next_load(earlier, tmp_path):
     assert _snapshot(out) == before
 
 
+def _tiny_folder(folder: Path) -> Path:
+    """A tiny Llama as a Hugging Face folder with a WordPiece tokenizer: what ``fisherkron compress`` reads."""
+    from transformers import BertTokenizerFast
+
+    tiny_llama().save_pretrained(folder)
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefgh"]))
+    BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), eos_token="[SEP]").save_pretrained(folder)
+    return folder
+
+
+def test_sigterm_during_a_save_is_handled_like_ctrl_c(tmp_path):
+    """``docker stop`` in the middle of ``fisherkron compress``'s save: one line, status 130, the earlier save
+    as it was and no temporary folder left (a real process, a real SIGTERM)."""
+    folder, out = _tiny_folder(tmp_path / "model"), tmp_path / "out"
+    model = _compressed(seed=0)
+    save_compressed(model, out)
+    before = _snapshot(out)
+    script = textwrap.dedent(f"""
+        import sys, time
+        import transformers.modeling_utils as mu
+        from fisherkron.cli import main
+        def slow_save(*a, **k):  # the weights are being written when the signal comes
+            print("writing", flush=True)
+            time.sleep(120)
+        mu.safe_save_file = slow_save
+        sys.exit(main(["-q", "compress", {str(folder)!r}, "--method", "svd", "--rank", "2", "--k", "2",
+                       "--batch-size", "2", "--seq-len", "16", "--no-cache", "--out", {str(out)!r}, "--overwrite"]))
+    """)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FISHERKRON_DATA": str(tmp_path / "data")}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing", proc.stderr.read()
+        assert [p.name for p in out.iterdir() if p.name.startswith(TMP_PREFIX)]  # the save under way
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err.strip().splitlines() == ["fisherkron: interrupted"], err
+    assert _snapshot(out) == before and _no_temporaries(out)
+
+
+def test_a_signal_during_the_swap_waits_until_the_folder_is_whole(earlier, monkeypatch):
+    """SIGTERM at every rename of the swap (once the journal is written): the swap is not cut, nor its clean-up;
+    the signal acts once the folder is a complete save, and no temporary is left."""
+    model, out, before, model2 = earlier
+    real, calls = os.replace, []
+
+    def replace(*a, **k):
+        calls.append(a)
+        if len(calls) >= 2:  # call 1 writes the journal
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+    monkeypatch.setattr(os, "replace", replace)
+    with sigterm_as_interrupt(), pytest.raises(KeyboardInterrupt):  # SIGTERM raises here, even without the fix
+        save_compressed(model2, out, overwrite=True)
+    monkeypatch.undo()
+    assert len(calls) > 4 and _no_temporaries(out)
+    _assert_same_weights(load_compressed(out), model2)
+
+
+def test_ctrl_c_while_the_files_are_written_leaves_nothing(earlier, monkeypatch):
+    model, out, before, model2 = earlier
+    import transformers.modeling_utils as mu
+
+    def interrupted(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the handler raises KeyboardInterrupt within the sleep
+        pytest.fail("the signal did not stop the save")
+    monkeypatch.setattr(mu, "safe_save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_compressed(model2, out, overwrite=True)
+    assert _snapshot(out) == before and _no_temporaries(out)
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask-022", "umask-077"])
 def test_the_files_of_a_save_get_the_permissions_the_umask_gives(umask, tmp_path):
     """Not safetensors' 0600: with umask 022 other users of a shared machine can read a save."""
@@ -394,6 +475,68 @@ def test_a_clash_found_only_after_writing_is_refused_and_changes_nothing(earlier
     _one_line(err)
     assert _snapshot(out) == before
     _assert_same_weights(load_compressed(out), model)
+
+
+def _edit_file(out: Path, name: str) -> None:
+    """What a user does to a file of a save: a temperature in the generation config; one byte of the weights
+    (same size: only the checksum tells)."""
+    f = out / name
+    if name.endswith(".json"):
+        cfg = json.loads(f.read_text())
+        cfg["temperature"] = 0.7
+        f.write_text(json.dumps(cfg))
+    else:
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 1
+        f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name,tokenizer", [("generation_config.json", True), ("tokenizer_config.json", False),
+                                            ("model.safetensors", True)],
+                         ids=["replaced", "to-be-removed", "same-size"])
+def test_an_overwrite_refuses_a_file_edited_since_the_save(name, tokenizer, earlier, monkeypatch):
+    """The earlier save's file, edited by the user: refused by name (before any work) unless overwrite_edited."""
+    _, out, _, model2 = earlier
+    _edit_file(out, name)
+    before = _snapshot(out)
+    tok = _tokenizer() if tokenizer else None
+    with monkeypatch.context() as m:
+        m.setattr(type(model2), "save_pretrained", lambda *a, **k: pytest.fail("wrote before checking"))
+        with pytest.raises(FisherkronError, match=f"{name} changed since fisherkron saved it") as err:
+            save_compressed(model2, out, overwrite=True, tokenizer=tok)
+    assert "overwrite_edited=True (--overwrite-edited)" in _one_line(err)
+    assert _snapshot(out) == before
+    save_compressed(model2, out, overwrite=True, tokenizer=tok, overwrite_edited=True)
+    _assert_same_weights(load_compressed(out), model2)
+    assert (out / name).exists() == tokenizer and _no_temporaries(out)
+
+
+def test_a_file_edited_while_the_new_save_is_written_is_refused(earlier, monkeypatch):
+    """Checked again just before the swap: a user may edit a file during hours of calibration and writing."""
+    _, out, _, model2 = earlier
+    real = type(model2).save_pretrained
+
+    def edit_meanwhile(self, folder, *a, **k):
+        _edit_file(out, "generation_config.json")
+        return real(self, folder, *a, **k)
+    monkeypatch.setattr(type(model2), "save_pretrained", edit_meanwhile)
+    with pytest.raises(FisherkronError, match="generation_config.json changed since") as err:
+        save_compressed(model2, out, overwrite=True, tokenizer=_tokenizer())
+    _one_line(err)
+    assert json.loads((out / "generation_config.json").read_text())["temperature"] == 0.7 and _no_temporaries(out)
+
+
+def test_the_cli_refuses_an_edited_file_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    folder, out = _tiny_folder(tmp_path / "model"), tmp_path / "out"
+    save_compressed(_compressed(), out, tokenizer=_tokenizer())
+    _edit_file(out, "generation_config.json")
+    monkeypatch.setenv("FISHERKRON_DATA", str(tmp_path / "data"))
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    capsys.readouterr()  # the progress bars of making the folders
+    code = _run(["compress", folder, "--rank", "2", "--out", out, "--overwrite"])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "generation_config.json" in lines[0], lines
+    assert "--overwrite-edited" in lines[0]
 
 
 # ---------------------------------------------------------------------------- 3. only listed files are read

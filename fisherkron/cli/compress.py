@@ -10,10 +10,19 @@ or ``minilm``) is loaded with its head and calibrated on a classification task::
     fisherkron compress my-sst2-bert/ --data sst2 --rank 64 --out my-sst2-bert-gfwsvd
 
 The order is: check every option; check ``--out`` (a folder, writable -- tested by writing
-a file --, new, empty or an earlier save with ``--overwrite``); load the model; check
-``--seq-len`` against its positions; select the layers; plan the ranks (``--dry-run`` stops
-here and prints them); check that ``--out`` has room for the planned save; only then read
-data, calibrate, compress and save.
+a file --, new, empty or an earlier save with ``--overwrite``, none of whose files was edited
+since, unless ``--overwrite-edited``); load the model; check ``--seq-len`` against its
+positions; select the layers; plan (``--dry-run`` stops here and prints the plan); check that
+``--out`` has room for the planned save; only then read data, calibrate, compress and save.
+
+The plan never makes the model larger or runs out of memory where that can be told in
+advance (:mod:`fisherkron.hf.budget`): a selected layer whose weight another module holds (an
+``lm_head`` tied to the embeddings) is left dense with a warning (refused when ``--layers``
+names it); a layer whose factors need more memory than is available (``--factor-memory-gb``)
+is refused, or kept dense with ``--skip-large-layers``; a plan whose model would have more
+parameters than the input is refused. The save is written in the input's dtype (``--dtype
+auto``; the JSON line says which). SIGTERM is handled like Ctrl-C: one line, status 130,
+nothing temporary left.
 
 Under ``torchrun --nproc_per_node=N -m fisherkron compress ...`` (``WORLD_SIZE > 1``) every
 process runs the checks, joins the process group (gloo on CPUs; NCCL with ``--device cuda``,
@@ -118,8 +127,11 @@ def _settings(args) -> dict:
 
 
 def plan_table(model, names: list[str], plan: dict[str, int]) -> dict:
-    """Per-layer and whole-model parameter counts of a rank plan (as ``compress`` would apply it)."""
-    from ..hf.surgery import count_params
+    """Per-layer and whole-model parameter counts of a rank plan (as ``compress`` would apply it).
+
+    The whole model's count after is exact (:func:`fisherkron.hf.budget.params_after`): a weight
+    another module still holds stays."""
+    from ..hf.budget import count_params, params_after
 
     mods = dict(model.named_modules())
     rows, dense_total, after_total = [], 0, 0
@@ -135,7 +147,7 @@ def plan_table(model, names: list[str], plan: dict[str, int]) -> dict:
         dense_total += dense
         after_total += after
     before = count_params(model)
-    after = before - dense_total + after_total
+    after = params_after(model, plan)
     return {"rows": rows, "params_before": before, "params_after": after,
             "ratio": compression_ratio(before, after),
             "layer_params_before": dense_total, "layer_params_after": after_total,
@@ -166,7 +178,56 @@ def _torchrun(args):
     return launch
 
 
+def _methods(args) -> tuple[str, ...]:
+    """What the calibration collects for: the method, and K-FAC for an allocation that reads a Kronecker Fisher."""
+    fisher = args.allocation in ("fisher", "calibrated")
+    return (args.method,) + (("kfac",) if fisher and not METHODS[args.method].kronecker
+                             and "kfac" not in METHODS[args.method].needs else ())
+
+
+def _save_dtype(args, model) -> tuple[str, str | None]:
+    """``(dtype to write, the input's dtype)``: ``--dtype``, where ``auto`` is the input's (else the model's own)."""
+    from ..hf.saving import _model_dtype, dtype_name
+
+    source = opt.input_dtype(model, args.model)
+    if args.dtype != "auto":
+        return args.dtype, source
+    if source is None:
+        own = dtype_name(_model_dtype(model))
+        log.info("the dtype %s is stored in is unknown: saving in %s (choose with --dtype)", args.model, own)
+        return own, None
+    return source, source
+
+
+def _plan(api, args, model) -> tuple[list[str], dict, dict]:
+    """The layers, their ranks and the table, checked: no tied weight untied, no factor beyond memory, no growth."""
+    from ..hf.budget import check_factor_memory, drop_shared
+
+    names = api.select_layers(model, args.layers)
+    names = drop_shared(model, names, args.layers, option="--layers")
+    limit = None if args.factor_memory_gb is None else int(args.factor_memory_gb * 1e9)
+    names = check_factor_memory(model, names, _methods(args), limit=limit,
+                                skip=args.skip_large_layers, skip_option="--skip-large-layers",
+                                limit_option="--factor-memory-gb")
+    if not names:
+        raise FisherkronError("no selected layer is left to factorise (the factors of each are too large for the "
+                              "memory); select smaller layers with --layers")
+    plan = api.plan_ranks(model, names, rank=args.rank, ratio=args.ratio)
+    table = plan_table(model, names, plan)
+    if table["params_after"] > table["params_before"]:
+        raise FisherkronError(f"the plan would make the model larger ({table['params_before']:,} -> "
+                              f"{table['params_after']:,} params); select other layers or a smaller --rank")
+    return names, plan, table
+
+
 def _run(args) -> int:
+    from ..env import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():  # SIGTERM (docker stop, a scheduler) stops the command as Ctrl-C does
+        return _run_checked(args)
+
+
+def _run_checked(args) -> int:
     from .. import hf as api
 
     # 1. the options and the model's config.json; 2. the output folder
@@ -175,7 +236,7 @@ def _run(args) -> int:
     if launch is None and args.mff_parallel is not None:
         log.info("--mff-parallel only matters under torchrun (WORLD_SIZE > 1); one process runs MFF layer by layer")
     if args.out is not None:
-        opt.check_out_folder(args.out, overwrite=args.overwrite)
+        opt.check_out_folder(args.out, overwrite=args.overwrite, overwrite_edited=args.overwrite_edited)
     if METHODS[args.method].needs and not args.dry_run:
         from ..env import data_root
         cache_dir = args.cache_dir or data_root() / "cache" / "calibration"
@@ -190,11 +251,10 @@ def _run(args) -> int:
     if args.ppl_tokens is not None and args.ppl_tokens < seq_len:
         raise FisherkronError(f"--ppl-tokens {args.ppl_tokens} is less than one window of --seq-len {seq_len}; "
                               f"score at least {seq_len} tokens")
-    names = api.select_layers(model, args.layers)
-    plan = api.plan_ranks(model, names, rank=args.rank, ratio=args.ratio)
-    table = plan_table(model, names, plan)
-    log.info("%s loaded as %s (%s params); %d layers selected", args.model, s["task"],
-             f"{table['params_before']:,}", len(names))
+    names, plan, table = _plan(api, args, model)
+    dtype, source = _save_dtype(args, model)
+    log.info("%s loaded as %s (%s params, stored in %s); %d layers selected", args.model, s["task"],
+             f"{table['params_before']:,}", source or "an unknown dtype", len(names))
     if args.dry_run:
         if launch is not None and launch.rank != 0:
             return 0
@@ -205,24 +265,34 @@ def _run(args) -> int:
                         "for the same ratio", args.allocation)
         print(json.dumps({"dry_run": True, "model": args.model, "task": s["task"], "method": args.method,
                           "allocation": args.allocation, "layers": len(names), "ranks": plan,
-                          **{k: v for k, v in table.items() if k != "rows"}}))
+                          **{k: v for k, v in table.items() if k != "rows"}, "dtype": dtype, "input_dtype": source}))
         return 0
+    if source is not None and _itemsize(dtype) > _itemsize(source):
+        log.warning("saving in %s, wider than the %s %s is stored in: each weight takes %d times its input size "
+                    "on disk (--dtype auto keeps the input's)", dtype, source, args.model,
+                    _itemsize(dtype) // _itemsize(source))
     # the output folder's free space, now that the plan says how large the save will be
     from ..hf.saving import check_free_space
-    bytes_per_param = next(model.parameters()).element_size()
-    check_free_space(args.out, (table["params_before"] if args.merged else table["params_after"]) * bytes_per_param)
+    check_free_space(args.out, (table["params_before"] if args.merged else table["params_after"]) * _itemsize(dtype))
     if args.verbose:
         _print_table(table, file=sys.stderr)
     if launch is None:
-        return _calibrate_compress_save(api, args, s, model, tok, seq_len)
+        return _calibrate_compress_save(api, args, s, model, tok, seq_len, names, dtype=dtype, source=source)
     launch.join(args.dist_timeout)
     try:
-        return _calibrate_compress_save(api, args, s, model, tok, seq_len, names, launch)
+        return _calibrate_compress_save(api, args, s, model, tok, seq_len, names, launch, dtype=dtype, source=source)
     finally:
         launch.close()
 
 
-def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names=None, launch=None) -> int:
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names: list[str], launch=None, *,
+                             dtype: str, source: str | None) -> int:
     """Step 4, the expensive part: data, perplexity before, calibration, (MFF over the ranks,) compression, saving."""
     progress = not args.quiet
     allocation_options = None
@@ -246,10 +316,9 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
                                 max_tokens=args.ppl_tokens, progress=progress).ppl
     stats = None
     fisher = args.allocation in ("fisher", "calibrated")  # the allocations that read a Kronecker Fisher
-    methods = (args.method,) + (("kfac",) if fisher and not METHODS[args.method].kronecker
-                                 and "kfac" not in METHODS[args.method].needs else ())
-    if METHODS[args.method].needs or fisher:
-        stats = api.collect_calibration(model, batches, args.layers, k=args.k, seed=args.seed,
+    methods = _methods(args)
+    if METHODS[args.method].needs or fisher:  # the planned layers (a tied lm_head, a layer too large left out)
+        stats = api.collect_calibration(model, batches, names, k=args.k, seed=args.seed,
                                         methods=methods, cache=not args.no_cache,
                                         cache_dir=args.cache_dir, progress=progress,
                                         grad_dtype=args.grad_dtype, granularity=args.granularity,
@@ -269,20 +338,26 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
         if args.ppl_tokens:
             before = api.perplexity(model, tok, api.ptb("test"), seq_len=seq_len,
                                     max_tokens=args.ppl_tokens, progress=progress).ppl
-    report = api.compress(model, args.method, stats, args.layers, rank=args.rank, ratio=args.ratio,
+    limit = None if args.factor_memory_gb is None else int(args.factor_memory_gb * 1e9)
+    report = api.compress(model, args.method, stats, names, rank=args.rank, ratio=args.ratio,
                           min_alpha=args.min_alpha, mff_options=mff_options, allocation=args.allocation,
-                          allocation_options=allocation_options, min_speedup=args.min_speedup, progress=progress)
+                          allocation_options=allocation_options, min_speedup=args.min_speedup,
+                          factor_memory_limit=limit, progress=progress)
     if not args.quiet:
         print(str(report), file=sys.stderr)
     unconverged = [n for n, lr in report.layers.items() if lr.mff_converged is False]
     if unconverged:
         log.warning("MFF did not reach its tolerance on %d layer(s), e.g. %s", len(unconverged), unconverged[0])
-    out = api.save_compressed(model, args.out, report=report, tokenizer=tok, overwrite=args.overwrite,
-                              merged=args.merged)
+    out = api.save_compressed(model, args.out, report=report, tokenizer=tok,
+                              overwrite=args.overwrite or args.overwrite_edited, merged=args.merged, dtype=dtype,
+                              overwrite_edited=args.overwrite_edited)
+    from ..hf.saving import MANIFEST
+    saved = sum(spec["size"] for spec in json.loads((out / MANIFEST).read_text())["files"].values())
     summary = {"out": str(out), "model": args.model, "task": s["task"], "data": s["data"], "method": args.method,
                "ratio": report.ratio, "params_before": report.params_before, "params_after": report.params_after,
                "allocation": report.allocation, "layers_kept_dense": sum(lr.skipped is not None
-                                                                         for lr in report.layers.values())}
+                                                                         for lr in report.layers.values()),
+               "dtype": dtype, "input_dtype": source, "saved_bytes": saved}
     if args.ppl_tokens:
         reloaded = api.load_compressed(out)
         if args.device is not None:
@@ -345,6 +420,18 @@ def add_compress_command(sub, verbosity_options) -> None:
     c.add_argument("--out", default=None, help="output folder (config + safetensors + fisherkron manifest)")
     c.add_argument("--overwrite", action="store_true",
                    help="replace an earlier fisherkron save in --out (other folders are never touched)")
+    c.add_argument("--overwrite-edited", action="store_true",
+                   help="with an earlier save in --out, also replace the files it wrote that were edited since "
+                        "(default: such a file is refused by name); implies --overwrite")
+    c.add_argument("--dtype", choices=opt.DTYPES, default="auto",
+                   help="the dtype the weights are saved in (default auto: the dtype the input model is stored in, "
+                        "so a bfloat16 model stays bfloat16)")
+    c.add_argument("--skip-large-layers", action="store_true",
+                   help="keep dense (with a warning) the selected layers whose factors cannot fit in memory, "
+                        "e.g. a vocabulary-sized lm_head under a Kronecker method; default: refuse them")
+    c.add_argument("--factor-memory-gb", type=opt.positive_float, default=None,
+                   help="the memory one layer's factors may take, in GB (default: the memory available when the "
+                        "command starts)")
     c.add_argument("--merged", action="store_true",
                    help="save W2 W1 multiplied back into dense weights: a plain Hugging Face folder any tool "
                         "loads (no saving on disk); default: the factorised form, read by fisherkron.load_compressed")

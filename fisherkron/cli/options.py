@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,9 @@ __all__ = [
     "check_out_folder",
     "check_gradient_options",
     "describe_model",
+    "DTYPES",
+    "input_dtype",
+    "stored_dtype",
     "device",
     "max_positions",
     "non_negative_float",
@@ -41,6 +45,8 @@ __all__ = [
 ]
 
 TASKS = ("causal-lm", "sequence-classification")
+#: what ``--dtype`` accepts: the dtype a save writes its weights in (``auto``: the input model's)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: classification tasks with an embedded train split (calibration data of a classifier)
 CLASSIFICATION_DATA = ("sst2", "boolq", "trec")
 #: encoder-only model types: without a task head they load as sequence classifiers
@@ -163,15 +169,16 @@ def _writable(path: Path) -> None:
         raise FisherkronError(f"cannot write to {path}: {p} is not writable")
 
 
-def check_out_folder(out: str | os.PathLike, *, overwrite: bool) -> Path:
+def check_out_folder(out: str | os.PathLike, *, overwrite: bool, overwrite_edited: bool = False) -> Path:
     """Refuse, up front, an ``--out`` folder the save would refuse or that would lose someone's files.
 
     The rules are :func:`fisherkron.hf.saving.check_destination`'s (a new or empty folder; an
-    earlier fisherkron save only with ``overwrite``; nothing else), plus: the folder can be created.
+    earlier fisherkron save only with ``overwrite``, and none of its files edited since unless
+    ``overwrite_edited``; nothing else), plus: the folder can be created.
     """
     from ..hf.saving import check_destination
 
-    out = check_destination(out, overwrite=overwrite)
+    out = check_destination(out, overwrite=overwrite or overwrite_edited, overwrite_edited=overwrite_edited)
     _writable(out)
     return out
 
@@ -349,3 +356,63 @@ def load_model(api, args, settings: dict):
     if args.device is not None:
         model.to(args.device)
     return model, tok
+
+
+# ----------------------------------------------------------------------------- the dtype of a model's files
+
+#: safetensors' names of the floating-point dtypes a model folder holds
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_dtype(folder: str | os.PathLike) -> str | None:
+    """The floating-point dtype most of a model folder's stored weights have (by bytes), or ``None``.
+
+    Read from the headers of its ``*.safetensors`` files (a few kB each); a folder without them
+    (``pytorch_model.bin``) answers with its ``config.json``'s ``dtype`` (``torch_dtype``).
+    """
+    folder = Path(folder)
+    size: dict[str, int] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(min(n, 1 << 28)))
+        except (OSError, ValueError, struct.error):
+            continue
+        for name, spec in header.items() if isinstance(header, dict) else ():
+            if name != "__metadata__" and isinstance(spec, dict) and spec.get("dtype") in _SAFETENSORS_DTYPES:
+                lo, hi = (spec.get("data_offsets") or [0, 0])[:2]
+                key = _SAFETENSORS_DTYPES[spec["dtype"]]
+                size[key] = size.get(key, 0) + int(hi) - int(lo)
+    if size:
+        return max(size, key=size.get)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = cfg.get("dtype") or cfg.get("torch_dtype") if isinstance(cfg, dict) else None
+    value = str(value).removeprefix("torch.") if value else None
+    return value if value in _SAFETENSORS_DTYPES.values() else None
+
+
+def input_dtype(model, name: str) -> str | None:
+    """The dtype the model ``name`` is stored in (``"bfloat16"``, ...), whatever dtype it was loaded in; ``None``
+    when it cannot be told.
+
+    A folder (the argument, or the one the model was loaded from: an embedded model's) is read
+    by :func:`stored_dtype`; a hub name by its config (``dtype`` / ``torch_dtype``).
+    """
+    for where in (name, getattr(model, "name_or_path", None),
+                  getattr(getattr(model, "config", None), "_name_or_path", None)):
+        if where and Path(str(where)).expanduser().is_dir():
+            return stored_dtype(Path(str(where)).expanduser())
+    hub = getattr(model, "name_or_path", None) or name
+    try:
+        from transformers import AutoConfig
+
+        value = getattr(AutoConfig.from_pretrained(hub), "dtype", None)
+    except (OSError, ValueError, TypeError) as err:
+        log.debug("the stored dtype of %s is unknown: %s", name, err)
+        return None
+    value = str(value).removeprefix("torch.") if value is not None else None
+    return value if value in _SAFETENSORS_DTYPES.values() else None

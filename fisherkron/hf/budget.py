@@ -1,4 +1,4 @@
-r"""The parameter budget of a compression: what a model holds, and uniform ranks that meet a target (paper Sec. 6).
+r"""The budget of a compression: parameters, uniform ranks for a target (paper Sec. 6), and what a plan may not do.
 
 The compression ratio is the paper's, over the whole model: ``1 - params_after / params_before``.
 A rank-``r`` factorisation of an ``n x m`` layer keeps ``r (n + m)`` of its ``n m`` weights
@@ -7,23 +7,56 @@ A rank-``r`` factorisation of an ``n x m`` layer keeps ``r (n + m)`` of its ``n 
 
 * :func:`count_params`: the parameters of a model (tied weights counted once);
 * :func:`plan_ranks`: per-layer ranks from one rank, a dict, or a whole-model ratio met by one
-  uniform per-layer ratio (bisection).
+  uniform per-layer ratio (bisection);
+* :func:`params_after`: the parameters a rank plan leaves, counted exactly (a weight another
+  module still holds stays);
+* :func:`drop_shared`: a selected layer whose weight another module holds too (an ``lm_head``
+  tied to the input embeddings) is left out of the plan: factorising it would untie the two
+  and add ``r (n + m)`` parameters instead of removing any;
+* :func:`check_factor_memory`: a layer whose factors cannot fit in memory is refused (or left
+  out) before any calibration.
 
 Both :mod:`fisherkron.hf.allocation` (the ``"uniform"`` strategy and every strategy's budget)
-and :mod:`fisherkron.hf.surgery` read them from here.
+and :mod:`fisherkron.hf.surgery` read them from here, and so does the command line's plan.
+
+**Memory of the factors.** A method that reads Kronecker factors (``A`` (``m x m``, input
+side) and ``B`` (``n x n``, output side); the ``grads`` of GFWSVD and its ablations, the
+``kfac`` of KFAC-SVD and of the ``fisher`` / ``calibrated`` allocations) or SVD-LLM's
+``X X^T`` (``m x m``) estimates, regularises and factorises them in float64, and holds at
+least :data:`FACTOR_COPIES` copies of each at once (the factor, its regularised copy, its
+Cholesky factor; MFF's Krylov basis adds more): at least ``3 * 8 (m^2 + n^2)`` bytes for an
+``n x m`` layer. The calibration keeps every selected layer's K-FAC sums (``8 (m^2 + n^2)``
+bytes) or ``X X^T`` sums (``8 m^2``) at once. An ``lm_head`` over a 30,522-token vocabulary
+needs at least 22 GB; :func:`check_factor_memory` compares these lower bounds with the
+memory available when the plan is made.
 """
 from __future__ import annotations
 
+import logging
 import math
 import numbers
+import os
+from collections.abc import Iterable
 
 from torch import nn
 
 from ..core.checks import check_rank
 from ..core.conventions import FisherkronError
-from ..core.lowrank import rank_for_ratio
+from ..core.lowrank import lowrank_params, rank_for_ratio
+from ..core.methods import METHODS
 
-__all__ = ["count_params", "plan_ranks", "check_ratio"]
+__all__ = ["count_params", "plan_ranks", "check_ratio", "params_after", "shared_weights", "drop_shared",
+           "factor_bytes", "available_memory", "check_factor_memory", "FACTOR_COPIES"]
+
+log = logging.getLogger(__name__)
+
+#: float64 copies of each factor that one layer holds at once, at the least: the factor, its regularised copy
+#: and its Cholesky factor (the weighting step of every Kronecker method and of SVD-LLM)
+FACTOR_COPIES = 3
+#: bytes of one entry of a factor: factors are estimated, regularised and factorised in float64
+_ENTRY = 8
+#: statistics (see :data:`fisherkron.core.methods.METHODS`) whose factors are ``m x m`` and ``n x n``
+_KRONECKER_STATS = ("grads", "kfac")
 
 
 def count_params(model: nn.Module) -> int:
@@ -92,3 +125,188 @@ def plan_ranks(model: nn.Module, names: list[str], *, rank: int | None = None,
             lo, hi = (lo, mid) if removed(plan(mid)) >= need else (mid, hi)
         out = plan(hi)
     return {n: None if r is None else check_rank(r, *shape[n], name=f"layer {n}") for n, r in out.items()}
+
+
+# ----------------------------------------------------------------------------- what a plan leaves
+
+def params_after(model: nn.Module, plan: dict[str, int | None]) -> int:
+    """Parameters of ``model`` once each layer of ``plan`` (``{name: rank}``) is factorised, counted exactly.
+
+    A layer whose rank is ``None`` or saves nothing (``r (n + m) >= n m``, kept dense by
+    :func:`fisherkron.compress`) keeps its weights. A factorised layer's weight and bias go,
+    unless another module holds them too (tied embeddings): those stay and are counted once.
+
+    >>> model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 8, bias=False))
+    >>> params_after(model, {"0": 2, "1": None})
+    76
+    """
+    mods = dict(model.named_modules())
+    low = {}
+    for name, r in plan.items():
+        lin = mods[name]
+        n, m, bias = lin.out_features, lin.in_features, getattr(lin, "bias", None) is not None
+        if r is not None and lowrank_params(n, m, r, bias) < n * m + (n if bias else 0):
+            low[name] = lowrank_params(n, m, r, bias)
+    kept = {}
+    for name, mod in model.named_modules():
+        if name in low or any(name.startswith(f"{x}.") for x in low):
+            continue
+        for p in mod.parameters(recurse=False):
+            kept[id(p)] = p.numel()
+    return sum(kept.values()) + sum(low.values())
+
+
+def _param_key(p):
+    return id(p) if p.device.type == "meta" else (p.data_ptr(), tuple(p.shape), p.dtype)
+
+
+def shared_weights(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
+    """The layers of ``names`` whose weight another module holds too: ``{layer: the other's parameter name}``.
+
+    An ``lm_head`` tied to the input embeddings (``tie_word_embeddings``) is the usual one.
+
+    >>> emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    >>> head.weight = emb.weight
+    >>> shared_weights(nn.ModuleDict({"emb": emb, "head": head}), ["head"])
+    {'head': 'emb.weight'}
+    """
+    holders: dict = {}
+    for mod_name, mod in model.named_modules():
+        for p_name, p in mod.named_parameters(recurse=False):
+            holders.setdefault(_param_key(p), []).append(f"{mod_name}.{p_name}" if mod_name else p_name)
+    mods = dict(model.named_modules())
+    out = {}
+    for name in names:
+        w = getattr(mods[name], "weight", None)
+        if isinstance(w, nn.Parameter):
+            others = [h for h in holders.get(_param_key(w), []) if h != f"{name}.weight"]
+            if others:
+                out[name] = others[0]
+    return out
+
+
+def _named_explicitly(name: str, layers) -> bool:
+    patterns = [] if layers is None else [layers] if isinstance(layers, str) else list(layers)
+    return name in patterns
+
+
+def drop_shared(model: nn.Module, names: list[str], layers=None, *, option: str = "layers") -> list[str]:
+    """``names`` without the layers whose weight another module holds (see :func:`shared_weights`).
+
+    Factorising such a layer (an ``lm_head`` tied to the input embeddings) would replace it by
+    new factors while the embedding keeps the matrix: the model would grow by ``r (n + m)``.
+    A layer a pattern matched is left out with a plain sentence (a warning); one that
+    ``layers`` names exactly is refused in one line, as is a selection of such layers alone.
+    ``option``: how the message names the selection (``"--layers"`` on the command line).
+    """
+    shared = shared_weights(model, names)
+    if not shared:
+        return list(names)
+    named = [n for n in shared if _named_explicitly(n, layers)]
+    if named:
+        n = named[0]
+        raise FisherkronError(f"layer {n} shares its weight with {shared[n]} (tied embeddings): factorising it "
+                              f"would untie them and make the model larger; leave {n} out of {option}")
+    kept = [n for n in names if n not in shared]
+    if not kept:
+        raise FisherkronError(f"every selected layer shares its weight with another module ({', '.join(shared)}; "
+                              f"tied embeddings): factorising would make the model larger; select other layers")
+    for n, other in shared.items():
+        log.warning("%s is left as it is: its weight is %s (tied embeddings), so factorising it would add "
+                    "parameters instead of removing any", n, other)
+    return kept
+
+
+# ----------------------------------------------------------------------------- memory of the factors
+
+def _stats(methods) -> set[str]:
+    methods = [methods] if isinstance(methods, str) else list(methods)
+    return {s for name in methods for s in (METHODS[name].needs if name in METHODS else (name,))}
+
+
+def factor_bytes(n: int, m: int, methods) -> int:
+    """Bytes an ``n x m`` layer's factors take at once, at the least, for ``methods`` (names of
+    :data:`~fisherkron.core.methods.METHODS`, or statistics such as ``"kfac"``).
+
+    ``FACTOR_COPIES * 8 (m^2 + n^2)`` for the Kronecker factors, ``FACTOR_COPIES * 8 m^2`` for
+    SVD-LLM's ``X X^T``, 0 for the methods whose weights are vectors.
+
+    >>> round(factor_bytes(30522, 384, "gfwsvd") / 1e9, 1)  # GB for a BERT-vocabulary lm_head
+    22.4
+    """
+    stats = _stats(methods)
+    if stats & set(_KRONECKER_STATS):
+        return FACTOR_COPIES * _ENTRY * (m * m + n * n)
+    if "xxt" in stats:
+        return FACTOR_COPIES * _ENTRY * m * m
+    return 0
+
+
+def _calibration_bytes(n: int, m: int, methods) -> int:
+    """Bytes of one layer's sums the calibration keeps for all layers at once: K-FAC's, or ``X X^T``."""
+    stats = _stats(methods)
+    return _ENTRY * ((m * m + n * n) if "kfac" in stats else m * m if "xxt" in stats else 0)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now: ``MemAvailable`` (Linux), else the physical memory; ``None`` if unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:.3g} GB"
+
+
+def check_factor_memory(model: nn.Module, names: list[str], methods, *, limit: int | None = None,
+                        skip: bool = False, calibration: bool = True, skip_option: str = "skip_large_layers=True",
+                        limit_option: str = "factor_memory_limit=") -> list[str]:
+    """``names`` without the layers whose factors cannot fit in memory; refuses them in one line unless ``skip``.
+
+    A layer is too large when :func:`factor_bytes` (a lower bound of what its factors take at
+    once) exceeds ``limit`` bytes (default: :func:`available_memory`, the memory available
+    when the plan is made; no check when it is unknown). Refused: one line naming the first
+    such layer, its factor size in GB and the limit, and what to do (deselect it, or
+    ``skip_option``). With ``skip``, such layers are left out (kept dense) with one warning.
+    With ``calibration`` (before the statistics are collected), the calibration's sums of the
+    remaining layers (:func:`_calibration_bytes`, all layers at once) are checked against the
+    same limit. ``skip_option`` / ``limit_option``: how the
+    message names the two settings (the command line passes its flags).
+    """
+    if not names:
+        return list(names)
+    where = "the limit given"
+    if limit is None:
+        limit = available_memory()
+        if limit is None:
+            log.info("the memory available is unknown here: the factors' sizes are not checked")
+            return list(names)
+        where = "the memory available now"
+    mods = dict(model.named_modules())
+    shape = {n: (mods[n].out_features, mods[n].in_features) for n in names}
+    large = {n: factor_bytes(*shape[n], methods) for n in names if factor_bytes(*shape[n], methods) > limit}
+    if large and not skip:
+        n = max(large, key=large.get)
+        more = f" (and {len(large) - 1} more layers)" if len(large) > 1 else ""
+        raise FisherkronError(f"layer {n} ({shape[n][0]} x {shape[n][1]}) needs at least {_gb(large[n])} for its "
+                              f"factors (m^2 + n^2 float64 entries, {FACTOR_COPIES} copies){more}, more than "
+                              f"{_gb(limit)}, {where}; leave it out of the layers, or pass {skip_option} to keep such layers "
+                              f"dense (or set the limit: {limit_option})")
+    if large:
+        log.warning("%d layer(s) kept dense: their factors need more than %s (%s): %s", len(large), _gb(limit),
+                    where, ", ".join(f"{n} ({_gb(b)})" for n, b in large.items()))
+    kept = [n for n in names if n not in large]
+    total = sum(_calibration_bytes(*shape[n], methods) for n in kept) if calibration else 0
+    if total > limit:
+        raise FisherkronError(f"the calibration keeps the factor sums of all {len(kept)} selected layers at once, "
+                              f"{_gb(total)} in all, more than {_gb(limit)}, {where}; select fewer layers")
+    return kept

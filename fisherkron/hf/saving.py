@@ -14,8 +14,9 @@ Two forms, both written by :func:`save_compressed`:
   plain Hugging Face folder any tool loads correctly (no parameter saving on disk).
 
 Beside them, ``fisherkron.json`` (the manifest) records the method, every factorised layer
-(``n``, ``m``, ``r``, bias, the owner of a shared basis), the compression report,
-provenance, and the size and checksum of every file the package wrote.
+(``n``, ``m``, ``r``, bias, the owner of a shared basis), the dtype the weights were written
+in, the compression report, provenance, and the size, checksum and modification time of
+every file the package wrote.
 
 What is guaranteed (tests/test_saving_safety.py):
 
@@ -31,6 +32,18 @@ What is guaranteed (tests/test_saving_safety.py):
   ``tokenizer_config.json`` beside a save made without a tokenizer) is refused before any
   work, in one line naming it; one the new save turns out to write is refused the same way
   before the folder is touched. Other files of the user's stay.
+* **A file the user edited since the earlier save is refused, not replaced.** One the
+  earlier save wrote whose checksum no longer matches its manifest's (a
+  ``generation_config.json`` given a temperature) makes the overwrite fail in one line that
+  names it, before any work and again just before the files are swapped; pass
+  ``overwrite_edited=True`` (``--overwrite-edited``) to replace it anyway.
+* **The weights keep their dtype.** The files hold the dtype ``dtype=`` names (default: the
+  model's own), recorded in the manifest and ``config.json``; a value that float16 cannot
+  hold is refused rather than written as ``inf``.
+* **SIGTERM is handled like Ctrl-C.** Either stops the save while it writes its files and
+  removes the temporary folder; while files are swapped in, the signal waits until the
+  folder is whole (see :mod:`fisherkron.hf.transaction`). Only a process killed outright
+  (SIGKILL, a power cut) leaves a temporary folder, which the next save or load settles.
 * **Nothing is read back unverified.** :func:`load_compressed` checks the manifest's fields
   (types, layer names and shapes against the architecture, plain file names), then every
   listed file's size and checksum, before anything is built, and reads only the files the
@@ -62,7 +75,7 @@ from ..env import TMP_PREFIX, file_checksum, temporary_name
 from . import transaction
 
 __all__ = ["save_compressed", "load_compressed", "merge_lowrank", "check_destination", "check_free_space",
-           "MANIFEST", "FORMAT", "MODEL_FILES"]
+           "save_dtype", "MANIFEST", "FORMAT", "MODEL_FILES", "SAVE_DTYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +91,9 @@ MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safe
                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken", "chat_template.jinja",
                "chat_template.json", "preprocessor_config.json", "processor_config.json")
+#: the dtypes :func:`save_compressed` writes weights in, by name
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "float64": torch.float64}
 
 
 # ----------------------------------------------------------------------------- the manifest
@@ -158,18 +174,19 @@ def _is_model_file(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in MODEL_FILES)
 
 
-def check_destination(directory, *, overwrite: bool = False) -> Path:
+def check_destination(directory, *, overwrite: bool = False, overwrite_edited: bool = False) -> Path:
     """Where :func:`save_compressed` may write, checked before any work; raises a one-line error.
 
     Allowed: a new or empty folder (a mount point's ``lost+found`` does not count), or an
     earlier fisherkron save with ``overwrite=True`` whose other files (the user's) have no
-    name a save or a model loader uses (:data:`MODEL_FILES`). The folder (or the nearest
+    name a save or a model loader uses (:data:`MODEL_FILES`), and none of whose own files was
+    changed since it was saved (unless ``overwrite_edited=True``). The folder (or the nearest
     existing parent) must be writable, which is tested by writing a file. A save interrupted
     by a killed process is finished or undone first (see :mod:`fisherkron.hf.transaction`);
     a running save into the same folder is refused.
     """
     return transaction.check_destination(directory, MANIFEST, _earlier_files, overwrite=overwrite,
-                                         reserved=MODEL_FILES)
+                                         reserved=MODEL_FILES, overwrite_edited=overwrite_edited)
 
 
 def _earlier_files(out: Path) -> dict[str, dict]:
@@ -182,11 +199,38 @@ def _earlier_files(out: Path) -> dict[str, dict]:
                               f"the folder and save again") from None
 
 
-def _saved_bytes(model: nn.Module, *, merged: bool = False) -> int:
+def save_dtype(dtype) -> torch.dtype | None:
+    """``dtype`` (``None``, a name of :data:`SAVE_DTYPES` or a floating torch dtype) as a torch dtype; one-line error."""
+    if dtype is None or dtype in SAVE_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in SAVE_DTYPES:
+        return SAVE_DTYPES[dtype]
+    raise FisherkronError(f"dtype {dtype!r} cannot be saved; use one of {', '.join(SAVE_DTYPES)} (or None: the "
+                          f"model's own)")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype most of ``model``'s floating-point parameters have (by count of values)."""
+    count: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            count[p.dtype] = count.get(p.dtype, 0) + p.numel()
+    return max(count, key=count.get) if count else torch.float32
+
+
+def _saved_bytes(model: nn.Module, *, merged: bool = False, dtype: torch.dtype | None = None) -> int:
     """About how many bytes :func:`save_compressed` writes for ``model``: its tensors, shared ones once."""
+    def size(t):
+        return torch.empty((), dtype=dtype).element_size() if dtype is not None and t.is_floating_point() \
+            else t.element_size()
     seen = {}
     for t in model.state_dict().values():
-        seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * size(t)
     total = sum(seen.values())
     if merged:  # W_2 W_1 (n x m) instead of W_1 (r x m, a shared one once) and W_2 (n x r)
         bases = set()
@@ -195,7 +239,7 @@ def _saved_bytes(model: nn.Module, *, merged: bool = False) -> int:
                 n, m, r = mod.out_features, mod.in_features, mod.rank
                 once = id(mod.first) not in bases
                 bases.add(id(mod.first))
-                total += (n * m - r * n - (r * m if once else 0)) * mod.first.weight.element_size()
+                total += (n * m - r * n - (r * m if once else 0)) * size(mod.first.weight)
     return total
 
 
@@ -232,6 +276,40 @@ def _shared_once(model: nn.Module, layers: dict) -> dict:
     return state
 
 
+def _cast(state: dict, dtype: torch.dtype | None) -> dict:
+    """``state`` with its floating-point tensors in ``dtype`` (a tensor held under two names stays one).
+
+    A finite value that ``dtype`` cannot hold (beyond float16's 65504) is refused in one line
+    rather than written as ``inf``.
+    """
+    if dtype is None:
+        return state
+    out, done = {}, {}
+    for k, t in state.items():
+        if not t.is_floating_point() or t.dtype == dtype:
+            out[k] = t
+            continue
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key not in done:
+            c = t.to(dtype)
+            if not bool(torch.isfinite(c).all()) and bool(torch.isfinite(t).all()):
+                big = float(t.abs().max())
+                raise FisherkronError(f"{k} holds values up to {big:.3g}, beyond what {dtype_name(dtype)} can "
+                                      f"hold (max {torch.finfo(dtype).max:.5g}); save in bfloat16 or float32")
+            done[key] = c
+        out[k] = done[key]
+    return out
+
+
+def _set_config_dtype(cfg: dict, dtype: torch.dtype | None) -> None:
+    """Make ``config.json``'s dtype fields say ``dtype`` (transformers reads ``dtype``, older ones ``torch_dtype``)."""
+    if dtype is None:
+        return
+    cfg["dtype"] = dtype_name(dtype)
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = dtype_name(dtype)
+
+
 def merge_lowrank(model: nn.Module) -> nn.Module:
     """Replace every ``LowRankLinear`` of ``model`` (in place) by a dense ``nn.Linear`` with ``W = W_2 W_1``."""
     for name, mod in list(model.named_modules()):
@@ -248,7 +326,8 @@ def merge_lowrank(model: nn.Module) -> nn.Module:
 
 
 def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
-                    provenance: dict | None = None, overwrite: bool = False, merged: bool = False) -> Path:
+                    provenance: dict | None = None, overwrite: bool = False, merged: bool = False,
+                    dtype=None, overwrite_edited: bool = False) -> Path:
     """Write ``model`` (with its ``LowRankLinear`` layers) to ``directory``; all or nothing.
 
     Args:
@@ -263,6 +342,15 @@ def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
             refused in one line naming it, and other files of the user's are kept.
         merged: write the dense form (``W_2 W_1`` multiplied out; ``model`` itself is not
             changed), which plain transformers loads; default: the factorised form.
+        dtype: the dtype the weights are written in (``"float32"``, ``"bfloat16"``,
+            ``"float16"``, ``"float64"`` or a torch dtype; ``model`` itself is not changed);
+            default ``None``: the model's own. A model loaded in float32 from a bfloat16
+            checkpoint (as :func:`fisherkron.load_model` does) is saved at the checkpoint's
+            size only with ``dtype="bfloat16"`` (the command line's ``--dtype auto`` does this).
+            The manifest's ``dtype`` and ``config.json`` record what was written.
+        overwrite_edited: with ``overwrite``, also replace (or remove) files the earlier save
+            wrote that were changed since (their checksums differ from its manifest's);
+            default: such a file is refused in one line naming it.
 
     Guarantees: the destination is checked (writable, free space, whose files) before
     anything is written; the files are written into a temporary folder inside
@@ -279,11 +367,12 @@ def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         raise FisherkronError(f"tokenizer must be a Hugging Face tokenizer (with save_pretrained); "
                               f"got {type(tokenizer).__name__}")
-    out = check_destination(directory, overwrite=overwrite)
-    check_free_space(out, _saved_bytes(model, merged=merged))
+    dtype = save_dtype(dtype)
+    out = check_destination(directory, overwrite=overwrite, overwrite_edited=overwrite_edited)
+    check_free_space(out, _saved_bytes(model, merged=merged, dtype=dtype))
     layers = _layer_specs(model)
     meta = {"format": FORMAT, "fisherkron_version": __version__, "architecture": type(model).__name__,
-            "form": "merged" if merged else "factorised",
+            "form": "merged" if merged else "factorised", "dtype": dtype_name(dtype or _model_dtype(model)),
             "method": getattr(report, "method", None), "layers": layers,
             "report": report.to_dict() if hasattr(report, "to_dict") else report,
             "provenance": {"saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(provenance or {})}}
@@ -291,21 +380,27 @@ def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
     def write(folder: Path) -> None:
         if merged:
             import copy
-            merge_lowrank(copy.deepcopy(model)).save_pretrained(folder, safe_serialization=True)
+            dense = merge_lowrank(copy.deepcopy(model))
+            cast = {} if dtype is None else {"state_dict": _cast(dense.state_dict(), dtype)}
+            dense.save_pretrained(folder, safe_serialization=True, **cast)
         else:
-            model.save_pretrained(folder, state_dict=_shared_once(model, layers), safe_serialization=True)
-            cfg_path = folder / "config.json"
-            cfg = json.loads(cfg_path.read_text())
+            model.save_pretrained(folder, state_dict=_cast(_shared_once(model, layers), dtype),
+                                  safe_serialization=True)
+        cfg_path = folder / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        if not merged:
             cfg[_REAL_TYPE], cfg["model_type"] = cfg.get("model_type"), MODEL_TYPE
-            cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        _set_config_dtype(cfg, dtype)
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         odd = [f.name for f in folder.iterdir() if not f.is_file() or f.is_symlink()]
         if odd:
             raise FisherkronError(f"saving wrote {odd[0]}, which is not a plain file; fisherkron saves flat "
                                   f"folders of files only")
-        meta["files"] = {f.name: {"size": f.stat().st_size, "blake2b": file_checksum(f)}
-                         for f in sorted(folder.iterdir())}
+        # the modification time lets an overwrite tell an untouched file without reading it (renames keep it)
+        meta["files"] = {f.name: {"size": f.stat().st_size, "blake2b": file_checksum(f),
+                                  "mtime_ns": f.stat().st_mtime_ns} for f in sorted(folder.iterdir())}
         (folder / MANIFEST).write_text(json.dumps(meta, indent=1, default=str))
 
     from safetensors import SafetensorError
@@ -313,7 +408,7 @@ def save_compressed(model: nn.Module, directory, *, report=None, tokenizer=None,
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        transaction.swap_in(out, write, MANIFEST, _earlier_files)
+        transaction.swap_in(out, write, MANIFEST, _earlier_files, overwrite_edited=overwrite_edited)
     except (OSError, SafetensorError) as exc:
         what = "nothing was saved" if created else "the folder is as it was before"
         raise FisherkronError(f"saving to {out} failed ({transaction.reason(exc)}); {what}") from None

@@ -16,6 +16,13 @@ Only dense ``nn.Linear`` layers are factorised. In a model compressed before, ea
 ``LowRankLinear`` is selected by a layer pattern as the layer it stands for and left as it
 is (the report's ``already_lowrank``, and a warning); a selection of such layers alone is
 refused.
+
+A compression never makes a model larger and never runs out of memory where that can be
+told in advance (:mod:`fisherkron.hf.budget`): a layer whose weight another module holds
+(an ``lm_head`` tied to the input embeddings) is left dense with a warning, or refused when
+``layers`` names it; a layer whose factors cannot fit in memory is refused (or kept dense,
+``skip_large_layers=True``) before any factorisation; a plan that would leave more
+parameters than the model has is refused.
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
 from . import speed
 from .allocation import Allocation, Decompositions, allocate, check_options
-from .budget import check_ratio, count_params, plan_ranks
+from .budget import check_factor_memory, check_ratio, count_params, drop_shared, params_after, plan_ranks
 from .calibration import CalibrationStats, select_layers
 
 __all__ = ["compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport"]
@@ -172,6 +179,8 @@ def _selected_layers(model: nn.Module, layers, stats: CalibrationStats | None) -
         what = f"layer pattern {layers!r}" if layers is not None else "the default layers"
     already = {n: low[n] for n in names if n in low}
     dense = [n for n in names if n not in low]
+    if dense:
+        dense = drop_shared(model, dense, layers)  # a tied lm_head: untying it would make the model larger
     if not dense:
         shown = ", ".join(f"{n} (rank {r})" for n, r in list(already.items())[:3])
         raise FisherkronError(f"{what}: the {len(already)} selected layer(s) are low-rank already ({shown}"
@@ -190,6 +199,7 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
              mff_options: dict | None = None, skip_unprofitable: bool = True,
              allocation=None, allocation_options: dict | None = None, decompositions=None,
              min_speedup: float | None = None, speed_tokens: int = 1024,
+             skip_large_layers: bool = False, factor_memory_limit: int | None = None,
              progress: bool = False) -> CompressionReport:
     r"""Replace the selected ``nn.Linear`` layers of ``model`` in place by ``LowRankLinear``.
 
@@ -205,7 +215,9 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         layers: regex/glob pattern(s); default: the layers in ``stats`` (or the paper's).
             Only dense ``nn.Linear`` layers are factorised: a selected ``LowRankLinear`` (from
             an earlier compression) is left as it is and listed in ``report.already_lowrank``;
-            a selection of such layers alone is refused.
+            a selection of such layers alone is refused. A layer whose weight another module
+            holds (an ``lm_head`` tied to the embeddings) is left dense with a warning, or
+            refused when ``layers`` names it exactly.
         rank / ranks / ratio: exactly one: a rank for every layer, ``{name: rank}``,
             or a target whole-model compression ratio.
         regularization: ``"diag"`` (``A + alpha diag A``, the paper) or ``"shrink"``.
@@ -239,6 +251,11 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
             (a warning says by how much; ``report.ratio`` is what was reached); the measured
             speedup is in each :class:`LayerReport`. Default ``None``: no measurement.
         speed_tokens: rows of the activations in that measurement (batch x sequence length).
+        skip_large_layers: keep dense (with a warning) the layers whose factors cannot fit in
+            memory; default: refuse them in one line before any factorisation
+            (:func:`fisherkron.hf.budget.check_factor_memory`).
+        factor_memory_limit: the bytes one layer's factors may take (default: the memory
+            available when compress starts).
         progress: tqdm bar over layers.
 
     Returns:
@@ -260,10 +277,18 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
     if decompositions is None:
         decompositions = Decompositions()
     names, already = _selected_layers(model, layers, stats)
+    factor_methods = (method,) + (("kfac",) if allocation in ("fisher", "calibrated") else ())
+    names = check_factor_memory(model, names, factor_methods, limit=factor_memory_limit, skip=skip_large_layers,
+                                calibration=False)
+    if not names:
+        raise FisherkronError("no selected layer is left to factorise: the factors of every one are too large "
+                              "to fit in memory; select smaller layers")
     if stats is not None and layers is not None:
         missing = [n for n in names if n not in stats.layers]
         if missing:
             raise FisherkronError(f"layer {missing[0]} has no calibration statistics; collect them for it")
+    if stats is not None:  # statistics of another model (other norms, say) would give a plausible-looking wrong one
+        stats.check_model(model)
     alloc = None
     if allocation is not None and not (isinstance(allocation, str) and allocation == "uniform"):
         if isinstance(allocation, Allocation):
@@ -282,6 +307,10 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
     else:
         plan = plan_ranks(model, names, rank=rank, ranks=ranks, ratio=ratio)
     before = count_params(model)
+    if skip_unprofitable and params_after(model, plan) > before:  # a weight shared in a way not caught above
+        raise FisherkronError(f"the plan would leave {params_after(model, plan):,} parameters, more than the "
+                              f"model's {before:,}: a selected layer's weights are shared with another module; "
+                              f"select other layers")
     mods = dict(model.named_modules())
     report = CompressionReport(method, before, before, 0, 0, target_ratio=ratio,
                                allocation="uniform" if alloc is None else alloc.strategy, already_lowrank=already)
@@ -290,10 +319,6 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
                                   "sweep_seconds": alloc.details.get("sweep_seconds", 0.0)}
     opts = dict(mff_options or {})
     new: dict[str, LowRankLinear] = {}
-
-    if stats is not None:  # statistics of other weights would give a plausible-looking wrong model
-        for name in names:
-            stats.check_weights(name, mods[name])
     for name in tqdm(names, desc=f"compress ({method})", disable=not progress):
         t0 = time.perf_counter()
         lin: nn.Linear = mods[name]

@@ -34,6 +34,18 @@ What is guaranteed (tests/test_saving_safety.py):
   loader of the folder reads), is refused in one line naming it: by
   :func:`check_destination` before any work, by :func:`swap_in` before the folder is
   touched. Other files of the user's stay.
+* **A file the earlier save wrote and the user changed since is refused, not replaced.** Its
+  size or checksum no longer matches the earlier manifest's (a file whose size and
+  modification time are the recorded ones is taken as unchanged without being read): the
+  overwrite is refused in one line naming it, by :func:`check_destination` before any work
+  and by :func:`swap_in` before the folder is touched, unless ``overwrite_edited=True``.
+* **SIGTERM is handled like Ctrl-C, and no temporary outlives its process** (but one killed
+  by SIGKILL or a power cut, whose leftovers the next transaction settles). While the new
+  files are written, SIGINT and SIGTERM stop the save at once (``KeyboardInterrupt``; a
+  SIGTERM whose action was to end the process is turned into one) and the temporary folder
+  is removed; while files are swapped in or put back, and while the temporary folder is
+  removed, a signal waits (milliseconds) until the folder is whole again, then acts. A
+  handler the caller installed is called in the same way; an ignored signal stays ignored.
 * **Checked before any work** (:func:`check_destination`, :func:`check_free_space`): the
   target is or can become a folder, is writable (tested by writing a file, which read-only
   mounts, ACLs and quotas cannot fool) and has room for the new save beside the earlier one.
@@ -46,8 +58,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
-from collections.abc import Callable, Collection, Iterable
+import threading
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 
 from ..core.conventions import FisherkronError
@@ -62,7 +76,8 @@ __all__ = ["check_destination", "check_free_space", "swap_in", "settle_interrupt
 
 log = logging.getLogger(__name__)
 
-#: ``listed(folder)``: the names of the files the folder's manifest lists (a one-line error if it cannot tell).
+#: ``listed(folder)``: the names of the files the folder's manifest lists (a one-line error if it cannot tell);
+#: a mapping ``{name: {"size", "blake2b"[, "mtime_ns"]}}`` also lets a transaction find the files changed since.
 Listed = Callable[[Path], Collection[str]]
 
 #: Entries of a fresh file system's root (a mount point) that do not make a folder non-empty.
@@ -77,12 +92,13 @@ _STAGE, _LOCK, _NEW, _OLD, _JOURNAL = "save", "lock", "new", "old", "journal.jso
 # ----------------------------------------------------------------------------- before any work
 
 def check_destination(directory, manifest: str, listed: Listed, *, overwrite: bool = False,
-                      reserved: Iterable[str] = ()) -> Path:
+                      reserved: Iterable[str] = (), overwrite_edited: bool = False) -> Path:
     """Where a save may write, checked before any work; raises a one-line error.
 
     Allowed: a new or empty folder (a mount point's ``lost+found`` does not count), or an
     earlier save (it holds ``manifest``) with ``overwrite=True`` whose other files (the
-    user's) match no ``reserved`` pattern. The folder (or the nearest existing parent) must
+    user's) match no ``reserved`` pattern and whose own files were not changed since it was
+    made (unless ``overwrite_edited=True``). The folder (or the nearest existing parent) must
     be writable, which is tested by writing a file. A transaction a killed process left is
     finished or undone first; a running one into the same folder is refused.
     """
@@ -109,6 +125,8 @@ def check_destination(directory, manifest: str, listed: Listed, *, overwrite: bo
                    and any(fnmatch.fnmatchcase(n, pattern) for pattern in reserved))
     if clash:
         raise _users_files(out, clash)
+    if not overwrite_edited:
+        _refuse_edited(out, ours, manifest)
     return out
 
 
@@ -138,6 +156,41 @@ def _users_files(out: Path, names: list[str]) -> FisherkronError:
     return FisherkronError(f"{out} holds {shown}, which fisherkron did not write, under names a saved model uses "
                            f"(the save would replace them, and tools loading the folder would read them); "
                            f"move them out of the folder or choose another folder, then save again")
+
+
+def edited_files(out: Path, earlier) -> list[str]:
+    """The files an earlier save lists (``{name: {"size", "blake2b"[, "mtime_ns"]}}``) whose contents changed since.
+
+    A file that is gone is not listed (nothing of the user's would be lost); one whose size
+    differs is changed; one whose size and modification time are the recorded ones is taken
+    as unchanged without being read; any other is read and its checksum compared.
+    """
+    if not isinstance(earlier, Mapping):
+        return []
+    changed = []
+    for name, spec in earlier.items():
+        f = out / name
+        if not isinstance(spec, Mapping) or not f.is_file():
+            continue
+        st = f.stat()
+        if st.st_size != spec.get("size"):
+            changed.append(name)
+        elif spec.get("mtime_ns") is not None and spec["mtime_ns"] == st.st_mtime_ns:
+            continue
+        elif file_checksum(f) != spec.get("blake2b"):
+            changed.append(name)
+    return sorted(changed)
+
+
+def _refuse_edited(out: Path, earlier, manifest: str) -> None:
+    changed = edited_files(out, earlier)
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise FisherkronError(f"{out}: {shown} changed since fisherkron saved {'them' if len(changed) > 1 else 'it'} "
+                              f"there (the checksum in {manifest} differs) and the overwrite would replace or delete "
+                              f"{'them' if len(changed) > 1 else 'it'}; copy what you want to keep elsewhere, or pass "
+                              f"overwrite_edited=True (--overwrite-edited) to replace "
+                              f"{'them' if len(changed) > 1 else 'it'} anyway")
 
 
 def _size(n: float) -> str:
@@ -176,14 +229,71 @@ def reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def swap_in(out: Path, write: Callable[[Path], None], manifest: str, listed: Listed) -> None:
+class _Signals:
+    """SIGINT and SIGTERM while a folder's files are replaced: at once while :attr:`open`, else once it is whole.
+
+    Entered, it installs its handler for each of the two signals that is not ignored (main
+    thread only: elsewhere it does nothing). A signal that arrives while :attr:`open` is true
+    acts at once; any other waits until the block is left, and then acts, unless the block is
+    left by a ``KeyboardInterrupt`` already. To act is to call the handler installed before
+    (Python's ``KeyboardInterrupt`` for Ctrl-C, or whatever the caller set), or, where the
+    signal's action was to end the process (SIGTERM's default), to raise ``KeyboardInterrupt``
+    so that the clean-ups run.
+    """
+
+    def __init__(self):
+        self.open = False
+        self.pending: int | None = None
+        self.previous: dict = {}
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old = signal.getsignal(sig)
+                if old is not signal.SIG_IGN:
+                    self.previous[sig] = old
+                    signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        self.open = False
+        for sig, old in self.previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        if self.pending is not None and not (kind is not None and issubclass(kind, KeyboardInterrupt)):
+            self._act(self.pending, None)
+
+    def _handler(self, signum, frame) -> None:
+        if self.open:
+            self.open = False  # the clean-up that follows waits for a second signal
+            self._act(signum, frame)
+        elif self.pending is None:
+            self.pending = signum
+
+    def _act(self, signum: int, frame) -> None:
+        old = self.previous.get(signum)
+        if callable(old):
+            old(signum, frame)
+        else:  # SIG_DFL (or a handler set outside Python): it would end the process at once
+            raise KeyboardInterrupt(f"terminated by signal {signum}")
+
+
+def swap_in(out: Path, write: Callable[[Path], None], manifest: str, listed: Listed, *,
+            overwrite_edited: bool = False) -> None:
     """Write a save with ``write(folder)`` and make it ``out``'s, with ``manifest``'s rename as the commit.
 
     ``write`` fills an empty folder with flat files, ``manifest`` among them. ``out`` holds
     nothing (or a save whose manifest lists its files, read by ``listed``). Every step before
     the commit is undone on an error; a crash is undone (or finished) from the journal by
-    :func:`settle_interrupted`.
+    :func:`settle_interrupted`. A file of the earlier save changed since it was made is
+    refused before the folder is touched, unless ``overwrite_edited``. SIGINT or SIGTERM stop
+    ``write`` at once; during the swap (and its undo) they wait until the folder is whole
+    (see :class:`_Signals`).
     """
+    with _Signals() as signals:
+        _swap_in(out, write, manifest, listed, overwrite_edited, signals)
+
+
+def _swap_in(out: Path, write, manifest: str, listed: Listed, overwrite_edited: bool, signals: _Signals) -> None:
     had = (out / manifest).exists()
     earlier = listed(out) if had else ()
     stage = Path(tempfile.mkdtemp(prefix=temporary_name(_STAGE), dir=out))
@@ -193,11 +303,17 @@ def swap_in(out: Path, write: Callable[[Path], None], manifest: str, listed: Lis
         new, old = stage / _NEW, stage / _OLD
         new.mkdir()
         old.mkdir()
-        write(new)
+        signals.open = True  # writing the new files (the long part): a signal stops it at once
+        try:
+            write(new)
+        finally:
+            signals.open = False
         names = sorted(f.name for f in new.iterdir() if f.name != manifest)
         clash = [n for n in names if os.path.lexists(out / n) and (n not in earlier or (out / n).is_dir())]
         if clash:
             raise _users_files(out, clash)
+        if not overwrite_edited:  # again: the user may have edited a file while the new one was written
+            _refuse_edited(out, earlier, manifest)
         mode = 0o666 & ~_umask()
         for f in new.iterdir():
             _chmod(f, mode)  # safetensors writes 0600: other users could not read the save
@@ -271,8 +387,13 @@ def settle_interrupted(out: Path, manifest: str, *, loading: bool = False) -> No
     the process dies, so a reused process id cannot keep it); where locks are unavailable,
     while its process lives (:func:`fisherkron.env.stale_temporaries`). Loading leaves a
     save that is still writing its files alone (the earlier save is intact meanwhile) and
-    refuses one that is swapping them in.
+    refuses one that is swapping them in. A signal waits until the folder is settled.
     """
+    with _Signals():
+        _settle_interrupted(out, manifest, loading)
+
+
+def _settle_interrupted(out: Path, manifest: str, loading: bool) -> None:
     dead = set(stale_temporaries(out))
     for p in sorted(out.iterdir()):
         if not p.name.startswith(TMP_PREFIX):
