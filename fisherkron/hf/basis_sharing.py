@@ -260,7 +260,7 @@ def compress_basis_sharing(model: nn.Module, stats: CalibrationStats, ratio: flo
         model: a ``*ForCausalLM`` with blocks ``model.layers.{i}`` (Llama, Mistral, Qwen2, SmolLM2, ...);
             changed in place once every group is factorised (on an error it is left as it was).
         stats: calibration statistics with ``xxt`` of all seven projections of every block,
-            collected on these weights.
+            collected on this model (every parameter and buffer; refused in one line otherwise).
         ratio: target whole-model ratio ``1 - compressed / original`` in ``(0, 1)``.
         group_size: blocks per group (the authors': 2).
         shared: the projection types that share a basis (default: ``q, up, gate`` for a GQA model,
@@ -285,8 +285,7 @@ def compress_basis_sharing(model: nn.Module, stats: CalibrationStats, ratio: flo
     if missing:
         raise FisherkronError(f"layer {missing[0]} has no calibration statistics ({len(missing)} of {len(names)} "
                               f"missing); collect them for every projection of every block")
-    for name in names:  # statistics of other weights would give a plausible-looking wrong model
-        stats.check_weights(name, mods[name])
+    stats.check_model(model)  # statistics of another model (other norms, say) give a plausible-looking wrong one
     new: dict[str, SharedBasisLinear] = {}
     for g in tqdm(plan.groups, desc="basis sharing", disable=not progress):
         lins = [mods[n] for n in g.names]

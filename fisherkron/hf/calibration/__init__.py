@@ -23,7 +23,7 @@ One concern a module, read in this order:
 module          what it holds
 ==============  ==========================================================================
 ``layers``      :func:`select_layers`: which ``nn.Linear`` layers (patterns, the paper's default)
-``keys``        fingerprints of the model, data, layers and loss; the cache key
+``keys``        fingerprints of the model, data, layers and loss; the cache key; the model's record
 ``entry``       a cache entry: its manifest (sizes, checksums) and the reader :class:`CalibrationStats`
 ``accumulate``  one forward + backward per batch: the gradients ``G_i`` and the running sums
 ``folders``     the cache root: owner markers, abandoned folders, disk space, read-only caches
@@ -34,9 +34,9 @@ module          what it holds
 """
 from .collect import collect_calibration, default_loss, split_sequences
 from .entry import GRANULARITIES, METHOD_STATS, STATS, CalibrationStats
-from .keys import CODE_VERSION, data_fingerprint, layer_fingerprint, loss_key, model_fingerprint
+from .keys import CODE_VERSION, data_fingerprint, layer_fingerprint, loss_key, model_fingerprint, model_record
 from .layers import select_layers
 
 __all__ = ["select_layers", "collect_calibration", "CalibrationStats", "CODE_VERSION", "METHOD_STATS", "GRANULARITIES",
-           "STATS", "split_sequences", "default_loss", "model_fingerprint", "data_fingerprint", "layer_fingerprint",
-           "loss_key"]
+           "STATS", "split_sequences", "default_loss", "model_fingerprint", "model_record", "data_fingerprint",
+           "layer_fingerprint", "loss_key"]

@@ -217,7 +217,7 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         tokens = _collect(model, batches, names, modules, shapes, stats, loss_fn or default_loss,
                           folder, progress, grad_dtype=grad_dtype, granularity=granularity, checkpoint=checkpoint)
         try:
-            return write_manifest(folder, key, config, k, names, shapes, modules, tokens, world_size=1)
+            return write_manifest(folder, key, config, k, names, shapes, tokens, world_size=1)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise no_space(folder, None, grad_dtype, keep=checkpoint is not None) from None

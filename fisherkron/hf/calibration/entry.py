@@ -23,7 +23,7 @@ from ...core.distributed import all_or_none, all_reduce_, broadcast_int, rank_of
 from ...core.kfac import KFACFactors
 from ...core.methods import METHODS
 from ...env import atomic_write, file_checksum, remove_stale_temporaries
-from .keys import layer_fingerprint
+from .keys import layer_fingerprint, model_difference, model_fingerprint, tensor_digest
 
 __all__ = ["CalibrationStats", "STATS", "GRANULARITIES", "METHOD_STATS", "read_manifest", "write_manifest"]
 
@@ -111,10 +111,46 @@ class CalibrationStats:
             raise FisherkronError(f"{f} is not a readable .npy array ({exc}); delete {self.dir} and "
                                   f"collect the calibration again") from None
 
+    def check_model(self, model: nn.Module) -> None:
+        """Raise in one line unless ``model`` is the model these statistics were collected on.
+
+        Every parameter and buffer (the selected layers' and the others': norms, embeddings, the
+        head), the class and the config fields that change what it computes
+        (:func:`~fisherkron.hf.calibration.keys.model_difference`) against the record the
+        statistics carry from their cache key (``config["model"]``): one hash of ``model``. Statistics
+        of an earlier version carry the fingerprint alone and are checked against it; statistics
+        that carry neither are refused.
+        """
+        want = self.config.get("model") if isinstance(self.config, dict) else None
+        again = "collect them again on this model (fisherkron.collect_calibration)"
+        if isinstance(want, dict):
+            what = model_difference(want, model)
+        elif isinstance(want, str):  # an earlier version's key: the fingerprint alone, no record of the parts
+            what = None if model_fingerprint(model) == want else ("another model, one whose class, config, parameters "
+                                                                   "or buffers differ from this one's (statistics of an "
+                                                                   "earlier version record no more)")
+        else:
+            raise FisherkronError(f"the calibration statistics in {self.dir} do not record the model they were "
+                                  f"collected on; {again}")
+        if what is not None:
+            raise FisherkronError(f"the calibration statistics were collected on {what}; {again}")
+
     def check_weights(self, name: str, module: nn.Module) -> None:
-        """Raise if ``module`` is not the layer the statistics of ``name`` were collected on."""
-        want = self.layers.get(name, {}).get("weights")
-        if want is not None and layer_fingerprint(module) != want:
+        """Raise if ``module`` is not the layer the statistics of ``name`` were collected on.
+
+        One layer only, against the digests of the model's record (a weight tied to another
+        parameter is recorded, and checked by :meth:`check_model`, under that parameter's name):
+        :meth:`check_model` checks the whole model, which the statistics depend on.
+        """
+        record = self.config.get("model") if isinstance(self.config, dict) else None
+        if isinstance(record, dict):
+            tensors = record.get("tensors") or {}
+            bad = any(t is not None and f"{name}.{part}" in tensors and tensor_digest(t) != tensors[f"{name}.{part}"]
+                      for part, t in (("weight", module.weight), ("bias", getattr(module, "bias", None))))
+        else:  # an earlier version's statistics: a fingerprint of each layer
+            want = self.layers.get(name, {}).get("weights")
+            bad = want is not None and layer_fingerprint(module) != want
+        if bad:
             raise FisherkronError(f"the calibration statistics of layer {name} were collected on other weights "
                                   f"(another model, or this one changed since); collect them for this model")
 
@@ -266,12 +302,14 @@ def read_manifest(path: Path, key: str, verify: bool) -> dict | None:
         return None
 
 
-def write_manifest(folder: Path, key: str, config: dict, k: int, names, shapes, modules, tokens,
-                   world_size: int) -> dict:
-    """Checksum every ``.npy`` of ``folder`` and write ``manifest.json``; returns the per-layer info."""
+def write_manifest(folder: Path, key: str, config: dict, k: int, names, shapes, tokens, world_size: int) -> dict:
+    """Checksum every ``.npy`` of ``folder`` and write ``manifest.json``; returns the per-layer info.
+
+    The layers' weights are not hashed again: ``config["model"]`` holds the record of every
+    parameter and buffer (:func:`~fisherkron.hf.calibration.keys.model_record`).
+    """
     files = {f.name: {"size": f.stat().st_size, "hash": file_checksum(f)} for f in sorted(folder.glob("*.npy"))}
-    info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n],
-                "weights": layer_fingerprint(modules[n])} for n in names}
+    info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n]} for n in names}
     man = {"key": key, "config": config, "k": k, "layers": info, "files": files, "world_size": world_size}
     (folder / "manifest.json").write_text(json.dumps(man, indent=1))
     return info

@@ -1,9 +1,11 @@
 """Fingerprints and cache keys: an entry is reused only for exactly what it was computed from.
 
-The key of a calibration entry covers the model (class, config, every parameter and buffer),
-the batches (every tensor, in order), the layers, ``k``, the seed, the statistics, the gradient
-encoding and granularity, the loss function (its code and everything it captures,
-:func:`loss_key`) and the code version (:func:`code_version`: a hash of this package's source).
+The key of a calibration entry covers the model (:func:`model_record`: class, config, every
+parameter and buffer), the batches (every tensor, in order), the layers, ``k``, the seed, the
+statistics, the gradient encoding and granularity, the loss function (its code and everything it
+captures, :func:`loss_key`) and the code version (:func:`code_version`: a hash of this package's
+source). The model's record travels with the statistics (``config["model"]``), so compression
+refuses statistics of another model (:func:`model_difference`) without hashing it twice.
 """
 from __future__ import annotations
 
@@ -19,10 +21,14 @@ from torch import nn
 
 from ...core.conventions import FisherkronError
 
-__all__ = ["CODE_VERSION", "model_fingerprint", "data_fingerprint", "layer_fingerprint", "loss_key", "code_version",
-           "calibration_key"]
+__all__ = ["CODE_VERSION", "PROVENANCE", "model_fingerprint", "model_record", "model_difference", "tensor_digest",
+           "data_fingerprint", "layer_fingerprint", "loss_key", "code_version", "calibration_key"]
 
-CODE_VERSION = "calibration-1"  # bump when the meaning of a cached file changes
+CODE_VERSION = "calibration-2"  # bump when the meaning of a cached file changes
+#: config fields that say where a model came from or what its forward returns, not what it computes (a model
+#: saved and loaded again differs in them): :func:`model_difference` leaves them out, the cache key does not
+PROVENANCE = ("_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash",
+              "use_cache", "return_dict", "output_attentions", "output_hidden_states")
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -30,6 +36,80 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     if t.dtype == torch.bfloat16:
         t = t.float()
     return t.numpy().tobytes()
+
+
+def _tensor_buffer(t: torch.Tensor):
+    """The bytes :func:`_tensor_bytes` gives, as a numpy array hashed in place (no copy into ``bytes``)."""
+    t = t.detach().cpu().contiguous()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """Hash of one tensor's shape and values, as :func:`model_record` keeps it for each parameter and buffer."""
+    h = hashlib.blake2b(str(tuple(t.shape)).encode(), digest_size=12)
+    h.update(_tensor_buffer(t))
+    return h.hexdigest()
+
+
+def _digest(*parts) -> str:
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
+
+
+def model_record(model: nn.Module) -> dict:
+    """What identifies a model's computation, one pass over its tensors: the record statistics carry.
+
+    ``{"class": name, "config": {field: digest} or None, "tensors": {name: digest}, "fingerprint": digest}``:
+    a digest of each config field and of each parameter and buffer (its shape and values, read as
+    :func:`model_fingerprint` reads them: bfloat16 as float32, any device), and ``fingerprint``, a
+    digest of the class, the tensors and the config fields that are not :data:`PROVENANCE`. The
+    calibration key hashes the whole record (every config field included); compression compares
+    ``fingerprint`` (:func:`model_difference`).
+    """
+    tensors = {name: tensor_digest(t) for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+    cfg = getattr(model, "config", None)
+    config = None
+    if cfg is not None and hasattr(cfg, "to_json_string"):
+        config = {k: _digest(v) for k, v in json.loads(cfg.to_json_string(use_diff=False)).items()}
+    record = {"class": type(model).__name__, "config": config, "tensors": tensors}
+    computes = {k: v for k, v in (config or {}).items() if k not in PROVENANCE}
+    record["fingerprint"] = _digest(record["class"], computes if config is not None else None, tensors)
+    return record
+
+
+def model_difference(want: dict, model: nn.Module) -> str | None:
+    """How ``model`` differs from the one whose :func:`model_record` is ``want`` (``None``: it does not).
+
+    One hash of ``model``'s tensors. The answer completes "the statistics were collected on ..." and
+    names the first difference: the class, a parameter or buffer (in ``model``'s order, then those
+    it lacks), or a config field outside :data:`PROVENANCE`.
+
+    >>> a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    >>> model_difference(model_record(a), a) is None
+    True
+    >>> model_difference(model_record(a), b)
+    "other weights, a model whose parameters differ from this one's (first: weight)"
+    """
+    got = model_record(model)
+    if got["fingerprint"] == want.get("fingerprint"):
+        return None
+    if got["class"] != want.get("class"):
+        return f"another class of model, a {want.get('class')}, not this {got['class']}"
+    params = {n for n, _ in model.named_parameters()}
+    theirs = want.get("tensors") or {}
+    for name, digest in got["tensors"].items():
+        if theirs.get(name) != digest:
+            kind = "parameters" if name in params else "buffers"
+            lacks = ", which that model lacked" if name not in theirs else ""
+            return f"other weights, a model whose {kind} differ from this one's (first: {name}{lacks})"
+    for name in theirs:
+        if name not in got["tensors"]:
+            return (f"other weights, a model whose parameters differ from this one's (first: {name}, which this "
+                    f"model lacks)")
+    mine, theirs = got["config"] or {}, want.get("config") or {}
+    for field in sorted(set(mine) | set(theirs)):
+        if field not in PROVENANCE and mine.get(field) != theirs.get(field):
+            return f"a model whose config differs from this one's (first: {field})"
+    return "another model, one whose class, config, parameters or buffers differ from this one's"
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -173,7 +253,7 @@ def calibration_key(model: nn.Module, batches, names: list[str], *, k: int, seed
             described = None
     loss_hash = hashlib.blake2b(json.dumps(described, sort_keys=True, default=str).encode(),
                                 digest_size=12).hexdigest()
-    config = {"model": model_fingerprint(model), "data": data_fingerprint(batches), "layers": names,
+    config = {"model": model_record(model), "data": data_fingerprint(batches), "layers": names,
               "k": k, "seed": seed, "stats": sorted(stats), "code": code_version(),
               "grad_dtype": grad_dtype, "granularity": granularity,
               "loss_fn": [getattr(loss_fn, "__qualname__", None), loss_hash]}

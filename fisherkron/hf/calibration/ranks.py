@@ -178,7 +178,7 @@ def collect_on_ranks(model, batches, names, modules, shapes, stats, loss_fn, pro
             with all_or_none(group, "writing the calibration statistics"):
                 if rank == 0:
                     save_statistics(acc, tokens, k, names, stats, tmp)
-                    info = write_manifest(tmp, key, config, k, names, shapes, modules, tokens, world_size=world)
+                    info = write_manifest(tmp, key, config, k, names, shapes, tokens, world_size=world)
                     if cache:
                         seal(tmp, final)  # the partial folder becomes the cache entry (one rename)
                     hold.close()
