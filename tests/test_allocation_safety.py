@@ -1,8 +1,12 @@
-"""Allocation and surgery (issue 20): cache keys cover what the value depends on; one-line errors; one-way imports.
+"""Allocation and surgery: cache keys cover what the value depends on; one-line errors; one-way imports.
 
 * the sensitivity sweep's key covers the whole model (values, dtypes), the loss function, the
   held-out data, the method and every factorisation option; a folder it cannot write costs the
   cache, not the sweep;
+* nothing in the sweep's cache file is used unverified: an entry that was edited (a plausible
+  number in valid JSON), holds NaN, a string or other ranks, was moved from another layer or lost
+  its checksum is measured again with a warning naming the file and the entry, and the result is
+  the clean sweep's; a measurement that is not finite is refused in one line and never kept;
 * ``allocation_options``, ``min_speedup`` and ``ratio`` are checked up front in one line;
 * compressing a compressed model factorises only its dense ``nn.Linear`` layers;
 * ``hf.surgery -> hf.allocation -> hf.sensitivity`` and ``hf.allocation -> hf.budget``: no circle, no
@@ -12,7 +16,9 @@ import ast
 import copy
 import errno
 import inspect
+import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -292,6 +298,132 @@ def test_compressing_again_with_the_statistics_is_refused_in_one_line(calibrated
     with pytest.raises(fk.FisherkronError) as err:
         compress(model, "svd_llm", st, rank=1)
     assert "the layers of the statistics" in _one_line(err) and "low-rank already" in str(err.value)
+
+
+# ---------------------------------------------------------------------------- the sweep's cache file: verified entries
+
+#: a float32 held-out loss of the tiny model measured again (another replay of the same blocks)
+AGAIN = dict(rel=0, abs=1e-6)
+DAMAGES = ["edited value", "nan", "infinity", "string", "null", "bool", "rank renamed", "rows swapped",
+           "checksum dropped", "checksum of another entry", "not an entry", "cost edited", "base edited", "base nan"]
+
+
+def _damage(path: Path, how: str) -> list[str]:
+    """Damage the cache file ``path`` in place (valid JSON throughout); returns the entries damaged."""
+    got = json.loads(path.read_text())
+    rows, first = got["layers"], LAYERS[0]
+    r = next(iter(rows[first]["row"]))
+    value = {"edited value": rows[first]["row"][r] + 0.5, "nan": math.nan, "infinity": math.inf, "string": "x",
+             "null": None, "bool": True}.get(how)
+    if how in ("edited value", "nan", "infinity", "string", "null", "bool"):
+        rows[first]["row"][r] = value
+    elif how == "rank renamed":
+        rows[first]["row"][str(int(r) + 1)] = rows[first]["row"].pop(r)
+    elif how == "rows swapped":  # each with the checksum of the other layer's entry
+        rows[first], rows[LAYERS[1]] = rows[LAYERS[1]], rows[first]
+    elif how == "checksum dropped":
+        del rows[first]["check"]
+    elif how == "checksum of another entry":
+        rows[first]["check"] = rows[LAYERS[1]]["check"]
+    elif how == "not an entry":
+        rows[first] = [1.0, 2.0]
+    elif how == "cost edited":
+        rows[first]["evaluations"] += 1
+    elif how == "base edited":
+        got["base"]["value"] += 1.0
+    elif how == "base nan":
+        got["base"]["value"] = math.nan
+    path.write_text(json.dumps(got))
+    return ["base"] if how.startswith("base") else list(LAYERS) if how == "rows swapped" else [first]
+
+
+def _same_sweep(got: dict, want: dict) -> None:
+    assert got["base"] == pytest.approx(want["base"], **AGAIN)
+    assert got["table"].keys() == want["table"].keys()
+    for name, row in want["table"].items():
+        assert got["table"][name].keys() == row.keys()
+        assert [got["table"][name][r] for r in row] == pytest.approx(list(row.values()), **AGAIN), name
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_damaged_sweep_cache_entry_is_measured_again_never_used(how, tmp_path, caplog, monkeypatch):
+    model = tiny_llama()
+    first = _sweep(model, tmp_path)
+    path = Path(first["path"])
+    damaged = _damage(path, how)
+    measured = []
+    real = sensitivity.loss_with_factors
+    monkeypatch.setattr(sensitivity, "loss_with_factors", lambda m, name, *a, **k: measured.append(name) or
+                        real(m, name, *a, **k))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        again = _sweep(model, tmp_path)
+    _same_sweep(again, first)
+    assert not again["from_cache"] and again["path"] == first["path"]
+    assert sorted(set(measured)) == sorted(n for n in damaged if n != "base")  # only the damaged entries
+    assert len(measured) == sum(len(first["table"][n]) for n in damaged if n != "base")
+    warned = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(warned) == len(damaged), warned
+    for name in damaged:
+        assert any(str(path) in w and f"entry '{name}'" in w and "measuring it again" in w for w in warned), warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        third = _sweep(model, tmp_path)  # the file was mended
+    assert third["from_cache"] and not [r for r in caplog.records if r.name == LOGGER]
+    _same_sweep(third, first)
+    assert third["evaluations"] == first["evaluations"]
+
+
+@pytest.mark.parametrize("text", ["{ not json", "[1, 2]", '{"key": "another"}'])
+def test_a_sweep_cache_file_that_is_not_this_sweeps_is_measured_again(text, tmp_path, caplog):
+    model = tiny_llama()
+    first = _sweep(model, tmp_path)
+    Path(first["path"]).write_text(text)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        again = _sweep(model, tmp_path)
+    _same_sweep(again, first)
+    assert not again["from_cache"] and again["evaluations"] == first["evaluations"]
+    assert any(first["path"] in r.getMessage() for r in caplog.records if r.name == LOGGER)
+
+
+def test_an_interrupted_sweep_leaves_only_verified_entries_and_resumes(tmp_path, caplog, monkeypatch):
+    model = tiny_llama()
+    want = _sweep(model, None, cache=False)
+    real = sensitivity.loss_with_factors
+
+    def stop(m, name, *a, **k):
+        if name == LAYERS[1]:
+            raise KeyboardInterrupt
+        return real(m, name, *a, **k)
+    monkeypatch.setattr(sensitivity, "loss_with_factors", stop)
+    with pytest.raises(KeyboardInterrupt):
+        _sweep(model, tmp_path)
+    monkeypatch.setattr(sensitivity, "loss_with_factors", real)
+    (path,) = tmp_path.glob("sensitivity-*.json")
+    assert set(json.loads(path.read_text())["layers"]) == {LAYERS[0]}
+    assert not list(tmp_path.glob(".*")) and len(list(tmp_path.iterdir())) == 1  # no temporary left
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        got = _sweep(model, tmp_path)
+    _same_sweep(got, want)
+    assert not [r for r in caplog.records if r.name == LOGGER] and got["evaluations"] == want["evaluations"]
+
+
+@pytest.mark.parametrize("where", ["dense", "compressed"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_measurement_that_is_not_finite_is_refused_in_one_line_and_never_kept(where, bad, tmp_path):
+    model = tiny_llama()
+
+    def loss(m, b):
+        compressed = isinstance(m.get_submodule("model.layers.1.self_attn.o_proj"), fk.LowRankLinear)
+        return m(**b).loss * (bad if where == "dense" or compressed else 1.0)
+
+    with pytest.raises(fk.FisherkronError) as err:
+        _sweep(model, tmp_path, loss_fn=loss, loss_name=f"{where}-{bad}")
+    msg = _one_line(err)
+    assert str(bad) in msg and ("of the dense model" if where == "dense" else f"with {LAYERS[1]} at rank") in msg
+    for f in tmp_path.glob("sensitivity-*.json"):
+        text = f.read_text()
+        assert "NaN" not in text and "Infinity" not in text
+        assert set(json.loads(text)["layers"]) == ({LAYERS[0]} if where == "compressed" else set())
 
 
 # ---------------------------------------------------------------------------- imports run one way

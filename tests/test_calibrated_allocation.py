@@ -1,9 +1,10 @@
-"""The calibrated allocation and the LEMS baseline (issue 22): measured points, cache, budget, LEMS's formulas, CLI.
+"""The calibrated allocation and the LEMS baseline: measured points, cache, budget, LEMS's formulas, CLI.
 
 * the calibrated curve is Theorem 1's curve times one number and passes through its measured
   point (loss increase or KL divergence) for every layer;
 * its measurements are the sensitivity sweep's (one evaluation per layer, PrefixReplay, the same
-  cache): reused on a second call, measured again for other weights, held-out data or options;
+  cache): reused on a second call, measured again for other weights, held-out data or options,
+  and for an entry edited by hand (a larger number, NaN, a string), which never reaches the ranks;
 * the KL of :class:`OutputKL` equals a dense float64 reference, and replaying the prefix changes
   no KL;
 * the budget is met as the fisher allocation meets it (within one rank step of one layer);
@@ -14,6 +15,9 @@
 """
 import copy
 import json
+import logging
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,6 +154,29 @@ def test_another_factorisation_is_measured_again(calibrated, tmp_path):
     one = _allocate(base, st, "calibrated", tmp_path, method="asvd")
     assert not _allocate(base, st, "calibrated", tmp_path, method="asvd", asvd_alpha=1.0).details["from_cache"]
     assert _allocate(base, st, "calibrated", tmp_path, method="asvd").details["points"] == one.details["points"]
+
+
+@pytest.mark.parametrize("edit", ["larger", "nan", "string"])
+@pytest.mark.parametrize("strategy", ["calibrated", "lems"])
+def test_an_edited_measurement_is_measured_again_and_the_ranks_stay(strategy, edit, calibrated, tmp_path, caplog):
+    """A hand-edited point in valid JSON would move the ranks; it is measured again, with a warning naming it."""
+    base, st = calibrated
+    first = _allocate(base, st, strategy, tmp_path)
+    path = Path(first.details["cache"])
+    size = {n: r if r is not None else math.inf for n, r in first.ranks.items()}
+    # the edit that would move the ranks most: the most compressed layer made costly, the least made free
+    name = (min if edit == "larger" else max)(first.details["points"], key=size.get)
+    got = json.loads(path.read_text())
+    row = got["layers"][name]["row"]
+    (r,) = row
+    row[r] = {"larger": 1e4 * abs(row[r]) + 1.0, "nan": math.nan, "string": "x"}[edit]
+    path.write_text(json.dumps(got))
+    with caplog.at_level(logging.WARNING, logger="fisherkron.hf.sensitivity"):
+        again = _allocate(base, st, strategy, tmp_path)
+    assert again.ranks == first.ranks and not again.details["from_cache"]
+    assert again.details["points"][name] == pytest.approx(first.details["points"][name], rel=0, abs=1e-6)
+    warned = [rec.getMessage() for rec in caplog.records if rec.name == "fisherkron.hf.sensitivity"]
+    assert len(warned) == 1 and str(path) in warned[0] and f"entry '{name}'" in warned[0], warned
 
 
 # ---------------------------------------------------------------------------- the KL

@@ -28,6 +28,12 @@ increases ``{layer: {rank: loss - base}}`` is what ASVD's threshold search
   method, its calibration statistics, every option of the factorisation, the candidates, the
   layers, the versions of fisherkron, torch and transformers, and the source of the code that
   computes them (this module, :mod:`fisherkron.hf.allocation` and the core's factorisation).
+  Nothing in it is used unverified: each entry (the dense model's value; each layer's row of
+  measurements, with what it cost) carries a checksum of its content, the key and its name, and
+  is used only if it passes it and holds finite numbers at the layer's candidate ranks
+  (:mod:`fisherkron.hf.sweep_cache`); an entry that fails is measured again, with a warning naming
+  the file and the entry. The file is replaced whole (:func:`~fisherkron.env.atomic_write`), and a
+  measurement that is not finite is refused in one line rather than kept.
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
 from ..env import atomic_write, data_root
 from .calibration import CalibrationStats, data_fingerprint, default_loss, loss_key, model_fingerprint
+from .sweep_cache import FORMAT, entry, read_sweep
 
 __all__ = ["SENSITIVITY_RATIOS", "METRICS", "sensitivity_sweep", "sweep_key", "mean_loss", "loss_with_factors",
            "PrefixReplay", "OutputKL", "block_index", "layer_statistics", "kronecker_factors", "decompose_layer",
@@ -63,7 +70,7 @@ log = logging.getLogger(__name__)
 
 #: per-layer ratios (fraction of a layer's weights removed) measured by the sensitivity sweep
 SENSITIVITY_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-CODE_VERSION = "allocation-2"  # bump when the meaning of a cached sweep changes
+CODE_VERSION = "allocation-3"  # bump when the meaning of a cached sweep changes
 #: what a sweep measures: the held-out loss increase, or the KL divergence from the dense model's outputs
 METRICS = ("loss", "kl")
 #: the source files whose code decides a sweep's numbers (their contents enter its key)
@@ -404,19 +411,23 @@ class OutputKL:
         return (kl * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def _read_sweep(path: Path, key: str) -> dict | None:
-    """The state kept in ``path`` for ``key``, or ``None`` (absent, unreadable, another key's or malformed)."""
-    try:
-        if not path.is_file():
-            return None
-        got = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        log.warning("sensitivity cache %s is unreadable (%s); measuring again", path, exc)
-        return None
-    if not (isinstance(got, dict) and got.get("key") == key and isinstance(got.get("table"), dict)
-            and isinstance(got.get("evaluations"), int) and isinstance(got.get("seconds"), (int, float))):
-        return None
-    return got
+def _candidates(n: int, m: int, ratios) -> list[int]:
+    """The ranks a sweep measures for an ``n x m`` layer: one per candidate ratio, each once, those that save."""
+    out = []
+    for rho in ratios:
+        r = rank_for_ratio(n, m, rho)
+        if r not in out and saving(n, m, r) > 0:
+            out.append(r)
+    return out
+
+
+def _finite(value: float, metric: str, where: str) -> float:
+    """``value`` if finite, else the one-line error: an allocation can not compare layers on NaN or infinity."""
+    if not math.isfinite(value):
+        what = "held-out loss" if metric == "loss" else "KL divergence from the dense outputs"
+        raise FisherkronError(f"the {what} {where} is {value}; an allocation cannot compare layers on it: check the "
+                              f"held-out batches, the loss function and the model's dtype (measure in float32)")
+    return value
 
 
 def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], heldout,
@@ -431,7 +442,10 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
     ``{"base": loss, "table": {layer: {rank: increase}}, "evaluations": int, "seconds": float,
     "from_cache": bool, "path": str | None}``. With ``cache`` the state is written to
     ``<cache_dir>/sensitivity-<key>.json`` (:func:`sweep_key`) after every layer, so an
-    interrupted sweep resumes where it stopped; ``loss_name`` stands for a loss function whose
+    interrupted sweep resumes where it stopped; every entry read back is verified first (its
+    checksum, types and finite values: :func:`~fisherkron.hf.sweep_cache.read_sweep`) and one that
+    fails is measured again
+    with a warning; ``loss_name`` stands for a loss function whose
     code and captured values cannot be described. A folder that cannot be written (read-only,
     not a folder) costs the cache, not the sweep: one warning says so and ``path`` is ``None``.
     ``decompositions`` (a :class:`~fisherkron.hf.allocation.Decompositions`) keeps each layer's
@@ -453,20 +467,25 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
     mods = dict(model.named_modules())
     options = dict(min_alpha=min_alpha, mff_options=mff_options, regularization=regularization, alpha=alpha,
                    asvd_alpha=asvd_alpha)
+    ranks = {n: _candidates(*mods[n].weight.shape, ratios) for n in names}  # {layer: [rank]}
     key = path = None
-    state = {"method": method, "ratios": list(ratios), "table": {}, "evaluations": 0, "seconds": 0.0}
+    base, entries = None, {}  # the verified entries: the dense value, and each layer's row
     if cache:
         key = sweep_key(model, method, stats, names, heldout, ratios=ratios, loss_fn=loss_fn, loss_name=loss_name,
                         metric=metric, temperature=temperature, **options)
         root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "allocation"
         path = root / f"sensitivity-{key}.json"
-        state = _read_sweep(path, key) or {**state, "key": key}
-    kept = path is not None and "base" in state  # the file holds what is returned
+        base, entries, problems = read_sweep(path, key, {n: {str(r) for r in rs} for n, rs in ranks.items()})
+        for name, problem in problems:  # what failed is measured again below
+            log.warning("sensitivity cache %s; measuring %s again", problem, "it" if name else "every entry")
+    kept = path is not None and base is not None  # the file holds what is returned
 
     def keep() -> None:
         nonlocal path, kept
         if path is None:
             return
+        state = {"format": FORMAT, "key": key, "method": method, "metric": metric, "ratios": list(ratios),
+                 "base": base, "layers": entries}
         try:
             atomic_write(path, lambda t: Path(t).write_text(json.dumps(state)))
             kept = True
@@ -475,46 +494,45 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
                         "FISHERKRON_DATA or pass cache_dir= to a writable folder, or cache=False", path.parent, exc)
             path, kept = None, False
 
-    todo = [n for n in names if n not in state["table"]]
+    todo = [n for n in names if n not in entries]
     factorise = decompositions.get if decompositions is not None else decompose_layer
-    from_cache = not todo
+    from_cache = not todo and base is not None
     t0 = time.perf_counter()
+    pending = 0  # evaluations of this run not yet in an entry (the dense outputs of the KL)
     was_training = model.training
     model.eval()
     try:
-        if metric == "kl" and (todo or "base" not in state):
+        if metric == "kl" and (todo or base is None):
             loss_fn = OutputKL(model, heldout, temperature)  # records the dense outputs: one evaluation
             heldout = loss_fn.batches
-            state["evaluations"] += 1
+            pending += 1
         replay = PrefixReplay(model, todo, heldout, loss_fn) if todo else None
-        if "base" not in state:  # the replay recorded the dense losses already, where it could
-            base = replay.base if replay is not None else None
-            state["base"] = base if base is not None else mean_loss(model, heldout, loss_fn)
-            state["evaluations"] += 1
+        if base is None:  # the replay recorded the dense losses already, where it could
+            value = replay.base if replay is not None and replay.base is not None else mean_loss(model, heldout,
+                                                                                                   loss_fn)
+            base = entry(key, "base", value=_finite(float(value), metric, "of the dense model"),
+                          evaluations=pending + 1, seconds=time.perf_counter() - t0)
+            pending, t0 = 0, time.perf_counter()
+            keep()
         bar = tqdm(total=len(todo) * len(ratios), desc=f"sensitivity ({method})", disable=not progress)
         for name in todo:
-            lin = mods[name]
-            n, m = lin.weight.shape
-            dec, _ = factorise(lin, method, stats, name, **options)
+            dec, _ = factorise(mods[name], method, stats, name, **options)
             row = {}
-            for rho in ratios:
-                r = rank_for_ratio(n, m, rho)
-                if r in row or saving(n, m, r) <= 0:
-                    bar.update(1)
-                    continue
+            for r in ranks[name]:
                 f = dec.factors(r, name)
-                row[r] = loss_with_factors(model, name, f, heldout, loss_fn, replay=replay) - state["base"]
-                state["evaluations"] += 1
+                loss = loss_with_factors(model, name, f, heldout, loss_fn, replay=replay)
+                row[str(r)] = _finite(loss, metric, f"with {name} at rank {r}") - base["value"]
+                pending += 1
                 bar.update(1)
-            state["table"][name] = {str(r): d for r, d in row.items()}
-            state["seconds"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
+            bar.update(len(ratios) - len(ranks[name]))  # candidates that repeat a rank or save nothing
+            entries[name] = entry(key, name, row=row, evaluations=pending, seconds=time.perf_counter() - t0)
+            pending, t0 = 0, time.perf_counter()
             keep()
         bar.close()
     finally:
         model.train(was_training)
-    table = {n: {int(r): float(d) for r, d in state["table"][n].items()} for n in names}
-    return {"base": state["base"], "table": table, "evaluations": state["evaluations"],
-            "seconds": state["seconds"], "from_cache": from_cache, "path": str(path) if kept else None,
+    table = {n: {int(r): float(d) for r, d in entries[n]["row"].items()} for n in names}
+    every = [base, *(entries[n] for n in names)]
+    return {"base": base["value"], "table": table, "evaluations": sum(e["evaluations"] for e in every),
+            "seconds": sum(e["seconds"] for e in every), "from_cache": from_cache, "path": str(path) if kept else None,
             "metric": metric}
-
