@@ -19,8 +19,11 @@
 # accounts for layer sensitivity. For our approach, we adopted the method of per-layer
 # importance scores as described in the ASVD work." The paper names the lack of cross-layer
 # coordination as its main limitation (App. A).
+
+# %% [markdown]
+# ## Experiment
 #
-# **Experiment.** SmolLM2-135M (the Llama role; its weights were 4-bit quantised before we
+# SmolLM2-135M (the Llama role; its weights were 4-bit quantised before we
 # dequantised them, so absolute perplexities are not those of a bf16 model) is compressed to
 # whole-model ratios of 5-30 % by SVD, FWSVD, ASVD, SVD-LLM, KFAC-SVD and GFWSVD, each with
 # three ways of choosing per-layer ranks:
@@ -47,7 +50,7 @@
 # held-out loss increase, one point per (layer, rank). Table `tab_rank_allocation`: every case
 # with its cost. The verdicts at the end are computed from these numbers.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make all`); the paper-scale value in the comment
 # (`make all PROFILE=paper`, notebooks/params/fig_rank_allocation.paper.yaml).
 output_dir = "figures"  # paper: "figures/paper"
@@ -72,20 +75,23 @@ validation_layers = 24  # layers of the prediction check (every 210/24-th); pape
 validation_ratios = [0.3, 0.6, 0.9]  # per-layer ratios of the prediction check; paper: same
 mff_tol = 1e-4  # MFF's target error; paper: 1e-4
 mff_dtype = "float64"  # MFF's GEMMs; float64 keeps the fisher allocation independent of summation order; paper: same
-target_10 = 2.0  # issue target: best GFWSVD PTB perplexity at 10 % within this factor of dense
+target_10 = 2.0  # our target: best GFWSVD PTB perplexity at 10 % within this factor of dense
 target_20 = 6.0  # ... and at 20 %
 
-# %%
+# %% tags=["hide-input"]
 import time
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+import transformers
 from IPython.display import Markdown, display
 from scipy.stats import spearmanr
 
 from fisherkron.experiments import figures, rank_allocation
 
+transformers.logging.set_verbosity_error()  # no load report
+transformers.utils.logging.disable_progress_bar()
 started = time.perf_counter()
 params = {k_: v for k_, v in dict(globals()).items()
           if k_ in ("profile", "model_name", "k", "batch_size", "seq_len", "heldout_k", "calib_docs", "layers",
@@ -101,10 +107,10 @@ print(f"{len(setup.names)} layers, k = {setup.stats.k}; uncompressed: PTB {setup
 
 # %% [markdown]
 # ## The grid
-# Each case is cached as soon as it is computed (`data/cache/studies/`), so the notebook can be
+# One log line per case (collapsed). Each case is cached as soon as it is computed (`data/cache/studies/`), so the notebook can be
 # stopped and rerun; the sensitivity sweep of a method is shared by its ratios.
 
-# %%
+# %% tags=["hide-input", "hide-output"]
 cases = []
 for method in full_methods + other_methods:
     for strategy in strategies:
@@ -133,7 +139,10 @@ figures.save_table(table, "tab_rank_allocation", output_dir, params, started=sta
                            f"{setup.base['ppl_ptb']:.2f}, Wikipedia {setup.base['ppl_wiki']:.2f}; k = {setup.stats.k})")
 display(Markdown(table.to_markdown(index=False, floatfmt=".4g")))
 
-# %%
+# %% [markdown]
+# ## Fig. rank_allocation: PTB perplexity against the achieved ratio
+
+# %% tags=["hide-input"]
 methods = full_methods + other_methods
 fig, axes = plt.subplots(2, 3, figsize=(13, 7.5), sharey=True)
 style = {"uniform": ("tab:gray", "o"), "sensitivity": ("tab:orange", "s"), "fisher": ("tab:blue", "D")}
@@ -155,7 +164,7 @@ fig.suptitle(f"{model_name}, k = {setup.stats.k} calibration batches: rank alloc
              f"(4-bit-quantised weights, dequantised)")
 fig.tight_layout()
 figures.save_figure(fig, "fig_rank_allocation", output_dir, params, started=started,
-                    notebook="notebooks/fig_rank_allocation.py")
+                    notebook="notebooks/fig_rank_allocation.py");
 
 # %% [markdown]
 # ## Does Theorem 1 predict the loss increase?
@@ -165,7 +174,7 @@ figures.save_figure(fig, "fig_rank_allocation", output_dir, params, started=star
 # about the number of independent sequences per batch, so the scale is not expected to match;
 # the allocation needs only the ordering, measured by Spearman's rank correlation.
 
-# %%
+# %% tags=["hide-input"]
 pick = setup.names[:: max(1, len(setup.names) // validation_layers)][:validation_layers]
 val = pd.DataFrame(rank_allocation.validate_predictions(setup, "gfwsvd", pick, ratios=tuple(validation_ratios)))
 rho_layer, _ = spearmanr(val["predicted"], val["measured"])
@@ -207,12 +216,12 @@ a2.legend(fontsize="small")
 fig.tight_layout()
 figures.save_figure(fig, "fig_rank_allocation_validation", output_dir, params, started=started,
                     notebook="notebooks/fig_rank_allocation.py",
-                    extra={"spearman_per_layer": rho_layer, "spearman_whole": rho_whole})
+                    extra={"spearman_per_layer": rho_layer, "spearman_whole": rho_whole});
 
 # %% [markdown]
 # ## Verdicts (computed from the numbers above)
 
-# %%
+# %% tags=["hide-input"]
 def best(method, ratio):
     d = df[(df.method == method) & np.isclose(df.target_ratio, ratio)]
     return d.loc[d["ppl_ptb"].idxmin()] if len(d) else None
@@ -258,4 +267,4 @@ display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "fig_rank_allocation_summary",
                          figures.provenance("fig_rank_allocation_summary", params, started=started,
                                             notebook="notebooks/fig_rank_allocation.py",
-                                            extra={"verdict": verdict, "lines": lines}))
+                                            extra={"verdict": verdict, "lines": lines}));
