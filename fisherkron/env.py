@@ -336,8 +336,8 @@ def read_committed(path: str | os.PathLike, parse: Callable[[str], _T] | None = 
 
     The one reader of the files that ``make readme``, ``make verify`` and ``make book`` render or compare
     from. Missing, unreadable, empty, not UTF-8 text (a binary file), or refused by ``parse`` (cut short,
-    hand-edited: any exception ``parse`` raises) all give one line ending in what to do: ``restore it with
-    `git checkout -- FILE` `` (``committed``), and ``remake`` if given (e.g. ``"re-run make verify NB=x"``).
+    hand-edited: any exception ``parse`` raises) all give one line ending in what to do: ``restore it from
+    git (`git checkout -- FILE`)`` (``committed``), and ``remake`` if given (e.g. ``"re-run make verify NB=x"``).
 
     Args:
         parse: text -> value, e.g. :func:`json_object` or :func:`csv_rows`; ``None`` returns the text.
@@ -348,10 +348,10 @@ def read_committed(path: str | os.PathLike, parse: Callable[[str], _T] | None = 
     >>> _ = p.write_bytes(b'{"a": 1')
     >>> read_committed(p, json_object(), what="a JSON record", remake="run `make x`")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    fisherkron.core.conventions.FisherkronError: .../r.json is not a JSON record (Expecting ',' delimiter: line 1 column 8 (char 7)): restore it with `git checkout -- .../r.json` or run `make x`
+    fisherkron.core.conventions.FisherkronError: .../r.json is not a JSON record (Expecting ',' delimiter: line 1 column 8 (char 7)): restore it from git (`git checkout -- .../r.json`) or run `make x`
     """
     name = shown(path)
-    todo = " or ".join(([f"restore it with `git checkout -- {name}`"] if committed else [])
+    todo = " or ".join(([f"restore it from git (`git checkout -- {name}`)"] if committed else [])
                        + ([remake] if remake else [])) or "write it again"
     try:
         data = Path(path).read_bytes()
@@ -412,7 +412,7 @@ def json_object(required: dict[str, str] | None = None, optional: dict[str, str]
     def parse(text: str) -> dict[str, Any]:
         obj = json.loads(text)
         if not isinstance(obj, dict):
-            raise ValueError(f"a JSON {_kind(obj)}, not an object")
+            raise ValueError(f"a JSON {_kind(obj)}, not a JSON object")
         for f, kinds, needed in fields:
             if f not in obj:
                 if needed:

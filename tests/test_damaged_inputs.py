@@ -63,7 +63,7 @@ DAMAGE = {
     "csv-binary": ("figures/tab_synthetic_gaps.csv", BINARY, "is not text"),
     "csv-cut-short": ("figures/tab_synthetic_gaps.csv", _cut_mid_row, "cell(s), the header"),
     "record-garbage": ("figures/tab_time_algo.provenance.json", GARBAGE, "is not a provenance record"),
-    "record-a-list": ("figures/tab_time_algo.provenance.json", A_LIST, "not an object"),
+    "record-a-list": ("figures/tab_time_algo.provenance.json", A_LIST, "not a JSON object"),
     "record-edited": ("figures/tab_time_algo.provenance.json", _edit_json(wall_seconds="fast"),
                       "field 'wall_seconds' is text, not number"),
     "record-binary": ("figures/tab_time_algo.provenance.json", BINARY, "is not text"),
@@ -205,7 +205,7 @@ def test_a_damaged_report_to_record_from_writes_no_record(damage, tmp_path, caps
 # -- the shared reader -------------------------------------------------------------------------------
 def test_read_committed_names_the_file_says_what_is_wrong_and_what_to_do(tmp_path):
     p = tmp_path / "t.csv"
-    with pytest.raises(FisherkronError, match=r"t\.csv is missing: restore it with `git checkout -- .*t\.csv` "
+    with pytest.raises(FisherkronError, match=r"t\.csv is missing: restore it from git \(`git checkout -- .*t\.csv`\) "
                                               r"or run `make t`$"):
         read_committed(p, csv_rows, what="a CSV table", remake="run `make t`")
     p.write_text("a,b\n1,2\n3,4\n")
@@ -229,7 +229,7 @@ def test_json_objects_are_checked_field_by_field():
     for text, why in [('{"worst": true, "tables": []}', "'worst' is bool, not number"),
                       ('{"worst": 1}', "'tables' is missing"),
                       ('{"worst": 1, "tables": [], "git": "abc"}', "'git' is text, not object or null"),
-                      ('"worst"', "a JSON text, not an object")]:
+                      ('"worst"', "a JSON text, not a JSON object")]:
         with pytest.raises(ValueError, match=why):
             parse(text)
 
@@ -259,3 +259,19 @@ def test_a_damaged_executed_notebook_stops_make_book_with_one_line(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and first.name in err and f"make {first.stem}" in err
     assert not (tmp_path / "committed.ipynb").exists()
+
+
+# -- make readme (the front page's results, rendered from the summary records and their tables) ------------
+@pytest.mark.parametrize("case", ["csv-empty", "csv-binary", "csv-cut-short", "record-garbage", "record-a-list"])
+def test_a_damaged_committed_file_stops_the_front_page_render_with_one_line(case, tmp_path):
+    from fisherkron.repro import readme as front
+
+    rel, damage, says = DAMAGE[case]
+    figs = Path(shutil.copytree(FIGURES, tmp_path / "figures", ignore=shutil.ignore_patterns("*.png", "*.pdf")))
+    shutil.copytree(ROOT / "notebooks" / "executed", tmp_path / "notebooks" / "executed")
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    front.render(text, figs)  # intact: renders
+    damage(tmp_path / rel)
+    with pytest.raises(FisherkronError) as err:
+        front.render(text, figs)
+    _one_line(str(err.value), Path(rel).name, says)

@@ -14,7 +14,6 @@ paper's numbers are quotations of the paper; ours are read from the records, nev
 """
 from __future__ import annotations
 
-import csv
 import json
 import re
 import statistics
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.conventions import FisherkronError
-from ..env import REPO_ROOT
+from ..env import REPO_ROOT, csv_rows, json_object, read_committed
 
 __all__ = ["VERDICTS", "Item", "ITEMS", "load_records", "results", "results_table"]
 
@@ -461,20 +460,12 @@ def load_records(figures: Path) -> Records:
     """
     records: Records = {}
     for path in sorted(Path(figures).glob("*.provenance.json")):
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise _damaged(path, exc) from exc
-        if not isinstance(record, dict):
-            raise _damaged(path, "not a JSON object")
+        # an empty, binary, cut-short or non-object file: one line naming it and what to do
+        record = read_committed(path, json_object(), what="a provenance record (JSON)")
         name = path.name[: -len(".provenance.json")]
         table = path.with_name(f"{name}.csv")
         if table.is_file():
-            try:
-                with table.open(newline="", encoding="utf-8") as f:
-                    record["table"] = list(csv.DictReader(f))
-            except (OSError, ValueError, csv.Error) as exc:
-                raise _damaged(table, exc) from exc
+            record["table"] = read_committed(table, csv_rows, what="a CSV table")
         records[name] = record
     return records
 
