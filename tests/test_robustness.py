@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 
 import numpy as np
@@ -67,9 +68,10 @@ def test_an_overwrite_removes_only_files_the_earlier_save_wrote(saved, tmp_path)
     model, out = saved
     tok_file = out / "tokenizer.json"
     meta = json.loads((out / MANIFEST).read_text())
-    meta["files"]["tokenizer.json"] = {"size": 2, "blake2b": "x"}  # as if the first save had a tokenizer
-    (out / MANIFEST).write_text(json.dumps(meta))
     tok_file.write_text("{}")
+    from fisherkron.env import file_checksum
+    meta["files"]["tokenizer.json"] = {"size": 2, "blake2b": file_checksum(tok_file)}  # as if the first save had a tokenizer
+    (out / MANIFEST).write_text(json.dumps(meta))
     (out / "mine.txt").write_text("keep")
     save_compressed(model, out, overwrite=True)  # no tokenizer this time
     assert not tok_file.exists() and (out / "mine.txt").read_text() == "keep"
@@ -402,3 +404,28 @@ def test_load_model_of_local_folders(tmp_path):
     x = torch.randint(0, 90, (1, 5))
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, model(x).logits, **RELOAD)
+
+
+@pytest.mark.parametrize("given", ["./my-modle", "ABS/doesnotexist", "~/fisherkron-no-such-model-folder",
+                                   "models/my-modle", "models/a/b", "ABS/a-file"])
+@pytest.mark.parametrize("hub", [None, True], ids=["offline", "hub-allowed"])
+def test_a_mistyped_model_path_is_no_model_folder_not_a_hub_problem(given, hub, tmp_path, monkeypatch):
+    """A name that is a path never goes to the hub: one line naming the path and what to do, hub on or off."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # were the name sent to the hub, no download is tried
+    (tmp_path / "models").mkdir()  # "models/my-modle": a path because its folder exists here
+    (tmp_path / "a-file").write_text("not a model")
+    name = given.replace("ABS", str(tmp_path))
+    with pytest.raises(FisherkronError, match=f"^no model folder at {re.escape(name)}") as err:
+        load_model(name, hub=hub)
+    msg = _one_line(err)
+    assert "hub" not in msg and ("it is a file" in msg if given.endswith("a-file") else "check the path" in msg)
+
+
+@pytest.mark.parametrize("name", ["bert-base-uncased", "meta-llama/Llama-2-7b-chat-hf", "my-org/my-model"])
+def test_hub_names_offline_keep_the_hub_message(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no folder "meta-llama" or "my-org" here
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FisherkronError, match=f"^{re.escape(name)} needs the Hugging Face hub") as err:
+        load_model(name)
+    _one_line(err)

@@ -15,11 +15,13 @@ Paper-scale names (``bert-base-uncased``, ``meta-llama/Llama-2-7b-chat-hf``,
 ``meta-llama/Llama-3.1-8B-Instruct``) load through transformers from the hub
 when it is reachable (``HF_HUB_OFFLINE`` unset or 0); offline they give a
 one-line :class:`~fisherkron.conventions.FisherkronError` naming the embedded
-alternative.
+alternative. A name that is a path (:func:`local_model_path`) is never sent to the hub: a
+mistyped folder is "no model folder at <path>", whether the hub is on or off.
 """
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,7 @@ __all__ = [
     "PAPER_MODELS",
     "DEFAULT_LAYERS",
     "load_model",
+    "local_model_path",
     "smollm2_folder",
 ]
 
@@ -83,6 +86,36 @@ def _embedded(name: str) -> EmbeddedModel | None:
         if key in spec.aliases:
             return spec
     return None
+
+
+def local_model_path(name: str) -> Path | None:
+    """The path on this machine that ``name`` names, existing or not; ``None`` for a hub name.
+
+    A hub name is ``"model"`` or ``"org/model"``; ``name`` is a path when it exists, starts with
+    ``.``, ``~`` or a separator, has two or more separators, or is ``"dir/x"`` whose ``dir`` exists here.
+
+    >>> [local_model_path(n) is not None for n in ("./my-modle", "/tmp/x", "~/m", "a/b/c", "bert-base-uncased",
+    ...                                             "meta-llama/Llama-2-7b-chat-hf")]
+    [True, True, True, True, False, False]
+    """
+    path = Path(name).expanduser()
+    seps = [s for s in (os.sep, os.altsep) if s]
+    if path.exists() or name.startswith((".", "~", *seps)):
+        return path
+    parts = (name.replace(os.altsep, os.sep) if os.altsep else name).split(os.sep)
+    if len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).expanduser().is_dir()):
+        return path
+    return None
+
+
+def _no_folder(name: str, path: Path) -> FisherkronError:
+    """The one-line error for a path that is not a model folder: missing, or a file."""
+    if path.exists():
+        return FisherkronError(f"no model folder at {name}: it is a file; pass the folder that holds its "
+                               f"config.json and weights")
+    where = "" if str(path.resolve()) == name else f" ({path.resolve()} does not exist)"
+    return FisherkronError(f"no model folder at {name}{where}: check the path, or load an embedded model "
+                           f"('smollm2' or 'minilm')")
 
 
 def _embedded_file(spec: EmbeddedModel) -> Path:
@@ -160,11 +193,14 @@ def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: in
 
     set_offline_env(hub=bool(hub))
     spec = _embedded(name)
+    local = None if spec is not None else local_model_path(name)
     if spec is not None:
         role = spec.role
         path = smollm2_folder() if spec.role == "decoder" else _embedded_file(spec)
-    elif Path(name).is_dir():
-        path = Path(name)
+    elif local is not None:
+        if not local.is_dir():
+            raise _no_folder(name, local)
+        path = local
         role = None
         from .saving import MANIFEST, load_compressed
         if (path / MANIFEST).exists():  # a fisherkron save: rebuild its low-rank layers
