@@ -19,17 +19,44 @@ first use, so ``import fisherkron`` needs only the core dependencies.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 
 # OpenMP threads that spin while they wait stall on a shared machine: with another process busy
 # on one of 2 cores, every parallel region waits for a thread that is not scheduled (compressing
 # MiniLM's block 0: 70 s against 5 s). Passive waiting costs within the run-to-run noise on an
-# idle machine at the benchmark's sizes (README, "Threads"). The variable is read once, when
-# torch loads its OpenMP runtime, so it is set only if torch is not imported yet and the user
-# has not chosen (OMP_WAIT_POLICY=ACTIVE keeps spinning).
-if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# idle machine at the benchmark's sizes (README, "Threads"). GNU OpenMP (libgomp, the runtime of
+# torch's Linux wheels) reads OMP_WAIT_POLICY once, when it is loaded, and that is when torch is
+# imported (OMP_DISPLAY_ENV=TRUE prints its settings right there); no call changes the policy
+# afterwards. So the variable is set here whenever the user has not chosen (OMP_WAIT_POLICY=ACTIVE
+# keeps spinning): it takes effect in this process if torch comes after fisherkron, and in every
+# process started from this one; if torch came first, a one-line warning says what to do instead.
+_OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
+
+
+def _openmp_loaded() -> bool:
+    """Whether an OpenMP runtime is already loaded in this process (``True`` where that cannot be told)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            return any(r in line for line in fh for r in _OPENMP_RUNTIMES)
+    except OSError:
+        return True
+
+
+def _passive_openmp() -> None:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose; warn when torch's OpenMP has already read it."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    if "torch" in sys.modules and _openmp_loaded():
+        logging.getLogger(__name__).warning(
+            "fisherkron: torch was imported before fisherkron, so its OpenMP threads spin while they wait (a "
+            "block can take 10x longer when another process shares the cores); set OMP_WAIT_POLICY=PASSIVE "
+            "before starting Python (export OMP_WAIT_POLICY=PASSIVE), or import fisherkron before torch")
+
+
+_passive_openmp()
 
 from .core import (METHODS, MIN_ALPHA, Factors, FisherkronError, GradientStack, KFACFactors,
                    LowRankLinear, Method, MFFResult, RearrangedFisher, Regularized, asvd,

@@ -1,11 +1,18 @@
-"""The float32 checks with 1 and with 2 torch threads.
+"""The float32 checks with 1 and with 2 torch threads, and how the threads wait.
 
 The thread count changes how GEMMs and reductions split their sums, and so the
 order in which float32 round-off accumulates (as a different CPU's kernels do).
 The tolerances of :mod:`fisherkron.testing` scale with the length and magnitude of
 those sums, so each check here must pass with either count.
+
+OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE``) when fisherkron is imported before torch;
+when torch came first its OpenMP runtime has already read its settings, which a one-line warning says.
 """
 import contextlib
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -104,16 +111,48 @@ def test_float64_mff_is_independent_of_the_thread_count():
     assert rel_error(got[1].A, got[2].A) < 1e-12 and rel_error(got[1].B, got[2].B) < 1e-12
 
 
-@pytest.mark.parametrize("preset,want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_openmp_threads_wait_passively_unless_the_user_chose(preset, want):
-    """fisherkron sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (README, "Threads")."""
-    import os
-    import subprocess
-    import sys
+#: GNU OpenMP's spin count before a waiting thread sleeps under OMP_WAIT_POLICY=PASSIVE (300000 when unset,
+#: 30000000000 under ACTIVE)
+PASSIVE_SPINS = "0"
 
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if preset:
-        env["OMP_WAIT_POLICY"] = preset
-    code = "import os, fisherkron, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == want
+
+def _openmp_spins(code: str, policy: str | None = None) -> tuple[list[str], list[str]]:
+    """The spin count each OpenMP runtime of ``python -c code`` (and of the processes it starts) read, in load
+    order, and the other lines it wrote to stderr.
+
+    The observable is the runtime's own: with ``OMP_DISPLAY_ENV=VERBOSE`` GNU OpenMP prints the settings it
+    parsed at the moment it reads them, when torch loads it (``import torch``), before any parallel region.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    err = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         timeout=120).stderr
+    spins = re.findall(r"GOMP_SPINCOUNT = '(\d+)'", err)
+    if not spins:
+        pytest.skip("torch's OpenMP runtime is not GNU OpenMP: it does not print its settings")
+    other = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("  ") and "OPENMP DISPLAY" not in ln]
+    return spins, other
+
+
+def test_the_wait_policy_takes_effect_when_fisherkron_comes_first():
+    spins, other = _openmp_spins("import fisherkron, torch; torch.ones(64, 64) @ torch.ones(64, 64)")
+    assert spins == [PASSIVE_SPINS] and other == []  # no warning
+
+
+def test_torch_imported_first_is_too_late_for_its_own_threads_and_a_warning_says_what_to_do():
+    """The runtime has read its settings when ``import torch`` returns: fisherkron can no longer make this
+    process's threads wait passively, and says so in one line; processes it starts still get the policy."""
+    spins, other = _openmp_spins("import torch, fisherkron, subprocess, sys; "
+                                 "subprocess.run([sys.executable, '-c', 'import torch'], check=True)")
+    assert spins[0] != PASSIVE_SPINS and spins[1:] == [PASSIVE_SPINS]  # this process: too late; the child: passive
+    assert len(other) == 1, other
+    assert "torch was imported before fisherkron" in other[0]
+    assert "set OMP_WAIT_POLICY=PASSIVE before starting Python" in other[0]
+    assert "import fisherkron before torch" in other[0]
+
+
+def test_no_warning_when_the_user_chose_a_policy():
+    spins, other = _openmp_spins("import torch, fisherkron", policy="ACTIVE")
+    assert len(spins) == 1 and int(spins[0]) > 300000 and other == []  # spinning, as asked
