@@ -134,3 +134,66 @@ def test_lm_eval_task_files_are_local_and_complete(tmp_path):
         cfg = yaml.load(p.read_text().replace("!function", ""), Loader=yaml.SafeLoader)
         for f in cfg.get("dataset_kwargs", {}).get("data_files", {}).values():
             assert f.startswith("/") and __import__("os").path.exists(f), f
+
+
+# -- transformers' "sequence length is longer" warning --------------------------------------------------
+def _short_tokenizer():
+    """A word-level tokenizer whose model takes 8 tokens: any sentence of 9 words is "too long" for it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "the", "cat", "sat", "on", "mat", "<eos>"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", model_max_length=8)
+
+
+class _Lines:
+    """A handler on transformers' library logger: what it would print (its own handler writes to stderr)."""
+
+    def __enter__(self):
+        import logging
+
+        self.lines, self.logger = [], logging.getLogger("transformers")
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.lines.append(record.getMessage())
+        self.logger.addHandler(self.handler)
+        return self.lines
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+
+TEXT = " ".join(["the cat sat on the mat"] * 40)  # 240 tokens, model_max_length 8
+
+
+def test_windowed_texts_do_not_warn_of_a_length_the_windows_never_reach_and_other_warnings_pass(monkeypatch):
+    """``lm_batches`` and ``perplexity`` tokenise a long text whole, then cut it into windows the model takes:
+    transformers' "Token indices sequence length is longer ... indexing errors" is false there and not given.
+    Another warning of the same logger in the same call still shows, and the user's own too-long call is
+    still warned about (the tokenizer's once-only flag is left as it was)."""
+    import logging
+
+    from transformers import tokenization_utils_base
+
+    import fisherkron as fk
+
+    tok = _short_tokenizer()
+    original = type(tok)._eventual_warn_about_too_long_sequence
+
+    def also_other(self, *a, **k):  # a second transformers warning, from the same logger, inside the same call
+        logging.getLogger(tokenization_utils_base.__name__).warning("another transformers warning")
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(type(tok), "_eventual_warn_about_too_long_sequence", also_other)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=7, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8))
+    with _Lines() as lines:
+        fk.lm_batches(tok, [TEXT, TEXT], k=2, batch_size=2, seq_len=8)
+        res = fk.perplexity(model, tok, TEXT, seq_len=8)
+    assert res.windows == 30
+    assert not [ln for ln in lines if ln.startswith("Token indices sequence length")], lines
+    assert lines.count("another transformers warning") == 2  # one per text tokenised: every other warning passes
+    with _Lines() as lines:
+        tok(TEXT)  # the user's own call: the model could not take it, the warning is true
+    assert any(ln.startswith("Token indices sequence length is longer") for ln in lines), lines

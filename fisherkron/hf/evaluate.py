@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ..core.checks import check_int
 from ..core.conventions import FisherkronError
+from .data import window_ids
 
 __all__ = ["PerplexityResult", "perplexity", "classification_metrics", "predict_classifier",
            "evaluate_classifier", "run_lm_eval"]
@@ -46,7 +47,7 @@ def _token_ids(tokenizer, text) -> torch.Tensor:
         return text.reshape(-1).long()
     if tokenizer is None:
         raise FisherkronError("perplexity needs a tokenizer when the text is a string")
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    return torch.tensor(window_ids(tokenizer, text), dtype=torch.long)  # cut into windows below: no length warning
 
 
 @torch.no_grad()
