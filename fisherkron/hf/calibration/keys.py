@@ -26,9 +26,11 @@ __all__ = ["CODE_VERSION", "PROVENANCE", "model_fingerprint", "model_record", "m
 
 CODE_VERSION = "calibration-2"  # bump when the meaning of a cached file changes
 #: config fields that say where a model came from or what its forward returns, not what it computes (a model
-#: saved and loaded again differs in them): :func:`model_difference` leaves them out, the cache key does not
+#: saved and loaded again differs in them; a sequence classifier sets ``problem_type`` in its first forward
+#: with labels, that is, while its statistics are collected): :func:`model_difference` leaves them out, the
+#: cache key does not
 PROVENANCE = ("_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash",
-              "use_cache", "return_dict", "output_attentions", "output_hidden_states")
+              "use_cache", "return_dict", "output_attentions", "output_hidden_states", "problem_type")
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
