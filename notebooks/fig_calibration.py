@@ -14,16 +14,18 @@
 # %% [markdown]
 # # Calibration at scale: does MFF's Fisher improve with more gradients, and what does it cost?
 #
-# **Claim (paper Secs. 4-6).** MFF finds the *best* Kronecker approximation of the empirical
-# Fisher (Algorithm 1), where K-FAC's `E[x xᵀ] ⊗ E[δ δᵀ]` is a heuristic; the paper calibrates
-# on 75 batches of 128 FineWeb samples. Our embedded default so far used 4 batches of 2 × 256
-# tokens, where K-FAC factors beat MFF's (rank-allocation study). The question here: does
-# GFWSVD, with MFF's factors, overtake the same transform with K-FAC factors (KFAC-SVD) and
-# close the gap to SVD-LLM as its gradients grow in number, at a cost one small machine can
-# pay?
+# **Claim (paper Secs. 4-6; this study goes beyond the paper).** MFF finds the *best* Kronecker
+# approximation of the empirical Fisher (Algorithm 1), where K-FAC's `E[x xᵀ] ⊗ E[δ δᵀ]` is a heuristic;
+# the paper calibrates on 75 batches of 128 FineWeb samples. The question here: does GFWSVD, with MFF's
+# factors, overtake the same transform with K-FAC factors (KFAC-SVD) and close the gap to SVD-LLM as its
+# gradients grow in number, at a cost one small machine can pay?
+
+# %% [markdown]
+# ## Experiment
 #
-# **Experiment.** SmolLM2-135M (4-bit-quantised weights, dequantised), all 210 linear layers of
-# its blocks. Calibration: `k` batches of 2 × 256 tokens from the first 500 C4 documents,
+# The rank-allocation study calibrates on 4 batches of 2 × 256 tokens, where K-FAC's factors beat
+# MFF's; this study grows `k`. SmolLM2-135M (4-bit-quantised weights, dequantised), all 210 linear
+# layers of its blocks. Calibration: `k` batches of 2 × 256 tokens from the first 500 C4 documents,
 # gradients stored in bfloat16 (the authors' choice). Every method's ranks come from the
 # `fisher` allocation (each method's own Theorem-1 error curves, no model evaluation), so the
 # strategy is the same for every `k`. Evaluation: PTB test and Wikipedia, their first 4,096
@@ -31,7 +33,7 @@
 # * **Cost** of each setting, measured in a fresh process: collection (the gradients plus the
 #   K-FAC and `X Xᵀ` statistics the three methods read), MFF's factors of every layer (K-FAC
 #   warm start), GFWSVD compression; seconds, tokens/s, disk, peak resident memory (memory-mapped
-#   gradient files count towards it). The issue's target: k = 32, factors and GFWSVD of all 210
+#   gradient files count towards it). The target: k = 32, factors and GFWSVD of all 210
 #   layers in at most 15 minutes on 2 cores, 12 GB RAM, 8 GB disk; it is also timed on GFWSVD's
 #   own default path (gradients only, MFF from the identity). `k` = 64 is measured for its
 #   collection cost only.
@@ -46,7 +48,7 @@
 # stopped and rerun; it collects every calibration it uses itself (its time from a cold cache:
 # `make help`; a run that reads its records from the cache takes minutes).
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make fig_calibration`); the paper-scale value in the comment.
 output_dir = "figures"  # paper: "figures/paper"
 profile = "default"
@@ -64,7 +66,7 @@ methods = ["gfwsvd", "kfac_svd", "svd_llm"]  # paper: same
 ratios = [0.10, 0.20]  # whole-model compression ratios; paper: [0.1, 0.2, 0.3, 0.4, 0.5]
 granularities = ["sequence", "token"]  # besides "batch"; paper: ["sequence"]
 granularity_k = 4  # the batches whose tokens the granularities share; paper: 8
-end2end_k = 32  # the setting of the issue's target; paper: 75
+end2end_k = 32  # the setting of the cost target; paper: 75
 end2end_ratio = 0.2  # GFWSVD ratio of the end-to-end timing; paper: 0.2
 warm_layers = r"model\.layers\.(0|15|29)\..*"  # layers of the warm-start comparison; paper: r"model\.layers\.(0|15|31)\..*"
 encoding_k = 16  # batches of the 16-bit check; paper: 16
@@ -72,22 +74,27 @@ encoding_layers = r"model\.layers\.(0|29)\..*"  # paper: r"model\.layers\.(0|31)
 mff_tol = 1e-4  # paper: 1e-4
 mff_dtype = "float64"  # MFF in the quality grid (same ranks on any CPU; the cost table times float32); paper: "float64"
 isolate_costs = True  # each cost measurement in a fresh process (its own peak memory); smoke: False
-target_minutes = 15.0  # issue target at end2end_k
+target_minutes = 15.0  # cost target at end2end_k
 target_ram_gb = 12.0
 target_disk_gb = 8.0
 idle_share = 0.1  # a timing counts as taken on idle cores when other processes used less than this share of them
 
-# %%
+# %% tags=["hide-input"]
 import time
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+import transformers
 from IPython.display import Markdown, display
 
+from fisherkron.env import REPO_ROOT
 from fisherkron.experiments import calibration_study as cs
 from fisherkron.experiments import figures
 
+transformers.logging.set_verbosity_error()  # no load report
+transformers.utils.logging.disable_progress_bar()
 started = time.perf_counter()
 params = {k_: v for k_, v in dict(globals()).items()
           if k_ in ("profile", "model_name", "batch_size", "seq_len", "calib_docs", "layers", "eval_tokens",
@@ -97,8 +104,9 @@ params = {k_: v for k_, v in dict(globals()).items()
 study = cs.prepare(model_name, batch_size=batch_size, seq_len=seq_len, calib_docs=calib_docs, layers=layers,
                    eval_tokens=eval_tokens or 10**9, eval_seq_len=eval_seq_len, mff_tol=mff_tol, isolate=isolate_costs,
                    mff_dtype=mff_dtype)
-print(f"uncompressed: PTB {study.base['ppl_ptb']:.2f}, Wikipedia {study.base['ppl_wiki']:.2f}; "
-      f"records in {study.results_path}")
+where = Path(study.results_path).resolve()  # shown relative to the repository
+print(f"uncompressed: PTB {study.base['ppl_ptb']:.2f}, Wikipedia {study.base['ppl_wiki']:.2f}; records in "
+      f"{where.relative_to(REPO_ROOT) if where.is_relative_to(REPO_ROOT) else where.name}")
 
 
 def log(msg):
@@ -120,8 +128,9 @@ log("16-bit check done")
 
 # %% [markdown]
 # ## Cost of each setting (fresh processes)
+# The measurements log one line per setting (collapsed); the table follows.
 
-# %%
+# %% tags=["hide-input", "hide-output"]
 cost = {}
 for k in ks:
     cost[cs.setting_name(k, "batch", grad_dtype)] = cs.measure(
@@ -149,6 +158,7 @@ cost[cs.setting_name(end2end_k, "batch", grad_dtype) + " (GFWSVD only, identity 
 with_kfac = cs.measure(study, granularity_k, grad_dtype=grad_dtype, stats=("grads", "kfac"), mff=False, keep=False)
 log("warm start done")
 
+# %% tags=["hide-input"]
 rows = []
 for name, r in cost.items():
     m = r.get("mff_kfac") or r.get("mff_identity") or {}
@@ -172,9 +182,10 @@ display(Markdown(cost_df.to_markdown(index=False, floatfmt=".4g")))
 # %% [markdown]
 # ## Quality against `k` and granularity
 # Each case compresses a copy of the model and is cached under the calibration's key; the
-# weighted SVDs of a (calibration, method) pair are shared by its ratios.
+# weighted SVDs of a (calibration, method) pair are shared by its ratios. One log line per case
+# (collapsed); the table follows.
 
-# %%
+# %% tags=["hide-output"]
 settings = [(k, "batch", grad_dtype) for k in ks] + [
     (granularity_k, g, "float32" if g == "token" else grad_dtype) for g in granularities]
 qrows = []
@@ -186,6 +197,8 @@ for k, g, dt in settings:
             qrows.append(row)
             log(f"k = {k:3d} {g:8s} {method:9s} {100 * ratio:g} %: PTB {row['ppl_ptb']:10.1f} wiki {row['ppl_wiki']:10.1f}")
     del stats
+
+# %%
 q = pd.DataFrame(qrows)
 q["ptb_x_dense"] = q["ppl_ptb"] / study.base["ppl_ptb"]
 table = q[["setting", "k", "granularity", "gradients", "method", "target_ratio", "ratio", "ppl_ptb", "ppl_wiki",
@@ -196,7 +209,10 @@ figures.save_table(table, "tab_calibration", output_dir, params, started=started
                            f"MFF in {mff_dtype} (dense PTB {study.base['ppl_ptb']:.2f}, Wikipedia {study.base['ppl_wiki']:.2f})")
 display(Markdown(table.to_markdown(index=False, floatfmt=".4g")))
 
-# %%
+# %% [markdown]
+# ## Fig. calibration: PTB perplexity against `k`, and the cost of each setting
+
+# %% tags=["hide-input"]
 colors = {"gfwsvd": "tab:blue", "kfac_svd": "tab:green", "svd_llm": "tab:red"}
 fig, axes = plt.subplots(1, len(ratios) + 1, figsize=(5 * (len(ratios) + 1), 4.3))
 batch = q[q.granularity == "batch"]
@@ -240,12 +256,12 @@ ax.legend(fontsize="x-small")
 fig.suptitle(f"{model_name}: calibration size and granularity, fisher allocation (dense PTB "
              f"{study.base['ppl_ptb']:.1f})")
 fig.tight_layout()
-figures.save_figure(fig, "fig_calibration", output_dir, params, started=started, notebook="notebooks/fig_calibration.py")
+figures.save_figure(fig, "fig_calibration", output_dir, params, started=started, notebook="notebooks/fig_calibration.py");
 
 # %% [markdown]
 # ## Verdicts (computed from the numbers above)
 
-# %%
+# %% tags=["hide-input"]
 lines, verdict = [], {}
 kmax = max(ks)
 
