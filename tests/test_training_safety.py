@@ -189,7 +189,7 @@ def killed_write(tmp_path_factory):
     script = textwrap.dedent("""
         import os, signal, sys, torch
         from pathlib import Path
-        from fisherkron.hf.truncation import save_checkpoint
+        from fisherkron.hf.training import save_checkpoint
 
         def dying_save(obj, f):
             with open(f, "wb") as fh:

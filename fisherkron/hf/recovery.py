@@ -51,9 +51,9 @@ from ..env import require, sigterm_as_interrupt
 from .budget import count_params
 from .calibration import default_loss
 from .calibration.keys import data_fingerprint, model_fingerprint
-from .truncation import (NonFiniteTraining, batch_index, check_batches, check_finite, check_rates, config_key,
-                         load_checkpoint, prepare_checkpoint, save_checkpoint, save_on_interrupt, to_device,
-                         uninterrupted)
+from .training import (NonFiniteTraining, batch_index, check_batches, check_finite, check_rates, config_key,
+                       load_checkpoint, prepare_checkpoint, save_checkpoint, save_on_interrupt, to_device,
+                       uninterrupted)
 
 __all__ = ["LORA", "SCHEDULES", "RecoveryReport", "recover", "rebalance_factors", "lowrank_layers", "lr_factor",
            "Overlap", "normalise", "evaluation_texts", "check_disjoint", "assert_disjoint", "OVERLAP_SPAN"]
@@ -177,7 +177,7 @@ def _rng_devices(device: torch.device) -> list:
 
 
 def _check_merge(wrapped, what: str, step: int, total: int, loss: float, advice: str) -> None:
-    r"""Raise :class:`~fisherkron.hf.truncation.NonFiniteTraining` before the merge if a merged factor
+    r"""Raise :class:`~fisherkron.hf.training.NonFiniteTraining` before the merge if a merged factor
     ``W + (alpha / r_LoRA) B A`` would not be finite (e.g. a float16 overflow): the merge is in place,
     and a factor half merged could not be put back."""
     for name, mod in wrapped.named_modules():
@@ -190,6 +190,172 @@ def _check_merge(wrapped, what: str, step: int, total: int, loss: float, advice:
                 raise NonFiniteTraining(f"{what} stopped after step {step} of {total}: merging the LoRA update into "
                                         f"{name} gives a factor that is not finite (last loss {loss:.6g}); the model "
                                         f"is left as it was before the call. {advice}")
+
+
+def _check_options(accumulate, checkpoint_every, lora_rank, lr, min_lr, lora_alpha, weight_decay, max_grad_norm,
+                   lora_dropout, schedule, targets) -> tuple[str, ...]:
+    """The options of :func:`recover` it refuses before any work (one-line errors); returns ``targets`` as a tuple."""
+    check_int(accumulate, "accumulate", minimum=1)
+    check_int(checkpoint_every, "checkpoint_every", minimum=1)
+    check_int(lora_rank, "lora_rank", minimum=1)
+    check_rates(lr, min_lr)
+    check_positive(lora_alpha, "lora_alpha")
+    check_positive(weight_decay, "weight_decay", zero_ok=True)
+    if max_grad_norm is not None:
+        check_positive(max_grad_norm, "max_grad_norm")
+    if not 0.0 <= lora_dropout < 1.0:
+        raise FisherkronError(f"lora_dropout must be in [0, 1); got {lora_dropout}")
+    if schedule not in SCHEDULES:
+        raise FisherkronError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    targets = tuple(targets)
+    if not targets or not set(targets) <= {"first", "second"}:
+        raise FisherkronError(f"targets must name the factors 'first' (W_1) and/or 'second' (W_2); got {targets!r}")
+    return targets
+
+
+def _layers(model: nn.Module, layers: list[str] | None) -> tuple[list[str], dict[str, nn.Module]]:
+    """The ``LowRankLinear`` layers :func:`recover` trains (``layers``, default all) and the model's modules."""
+    names = list(layers) if layers is not None else lowrank_layers(model)
+    mods = dict(model.named_modules())
+    bad = [n for n in names if not isinstance(mods.get(n), LowRankLinear)]
+    if bad or not names:
+        raise _untrainable(model, bad[0] if bad else None)
+    if layers is None and any(isinstance(m, SharedBasisLinear) for m in mods.values()):
+        log.warning("recovery: the model's Basis Sharing layers (SharedBasisLinear) are not trained, only its "
+                    "%d LowRankLinear layers", len(names))
+    return names, mods
+
+
+def _total_steps(batches: list, tokens: int | None, steps: int | None, accumulate: int) -> int:
+    """Optimiser steps: for a ``tokens`` budget, ``steps``, or one pass over ``batches``."""
+    per_batch = int(batches[0]["input_ids"].numel()) if "input_ids" in batches[0] else 1
+    if tokens is not None and steps is not None:
+        raise FisherkronError("give tokens= (a budget) or steps=, not both")
+    if tokens is not None:
+        return max(1, math.ceil(check_int(tokens, "tokens", minimum=1) / (accumulate * per_batch)))
+    if steps is not None:
+        return check_int(steps, "steps", minimum=1)
+    return math.ceil(len(batches) / accumulate)
+
+
+def _gradients(wrapped: nn.Module, batches: list, step: int, config: dict, loss_fn, dev,
+               advice: str) -> tuple[float, int]:
+    """Accumulate the gradients of step ``step``'s micro-batches in the LoRA weights, drawing dropout from the
+    step's own seed; returns the mean loss and the tokens seen. A loss that is not finite stops the run
+    before its backward (:func:`~fisherkron.hf.training.check_finite`)."""
+    accumulate, seed = config["accumulate"], config["seed"]
+    loss, step_tokens = 0.0, 0
+    with torch.random.fork_rng(devices=_rng_devices(dev)):
+        torch.manual_seed(seed * 1_000_003 + step + 1)
+        for a in range(accumulate):
+            b = batches[batch_index(step * accumulate + a, len(batches), seed)]
+            value = loss_fn(wrapped, to_device(b, dev))
+            v = float(value.detach())
+            check_finite("LoRA recovery", step, config["steps"], v, advice=advice)  # before its backward
+            (value / accumulate).backward()
+            loss += v / accumulate
+            step_tokens += int(b["input_ids"].numel()) if "input_ids" in b else 0
+    return loss, step_tokens
+
+
+def _put_back(wrapped, done: bool, saved: dict, mods: dict, flags: list, modes: list) -> None:
+    """After the run: merge the LoRA update (``done``), or remove LoRA unmerged and put the factors back as they
+    were; then each parameter's ``requires_grad`` flag and each module's mode."""
+    if done:
+        wrapped.merge_and_unload()
+    else:
+        if wrapped is not None:
+            wrapped.unload()
+        with torch.no_grad():
+            for n, (W1, W2) in saved.items():
+                mods[n].first.weight.copy_(W1)
+                mods[n].second.weight.copy_(W2)
+    for p, flag in flags:
+        p.requires_grad_(flag)
+    for m, mode in modes:
+        m.training = mode
+
+
+def _train(model: nn.Module, lora_cfg, mods: dict, batches: list, config: dict, key: str, state: dict | None,
+           path: Path | None, *, checkpoint_every: int, loss_fn, callback, progress: bool) -> tuple:
+    """The training loop of :func:`recover`: LoRA by ``lora_cfg`` on ``model``, trained with the hyperparameters
+    of ``config`` (what the checkpoint key hashes), resumed from ``state``, then merged (or removed, on an
+    error). Returns ``(steps, history, tokens, seconds, resumed_at, rebalancing scales)``."""
+    names, total_steps, accumulate = config["layers"], config["steps"], config["accumulate"]
+    lr, min_lr, max_grad_norm = config["lr"], config["min_lr"], config["max_grad_norm"]
+    dev = next(model.parameters()).device
+    flags = [(p, p.requires_grad) for p in model.parameters()]  # PEFT freezes every base parameter
+    modes = [(m, m.training) for m in model.modules()]
+    saved = {n: (mods[n].first.weight.detach().clone(), mods[n].second.weight.detach().clone())
+             for n in names} if config["rebalance"] else {}
+    what = "LoRA recovery"
+    advice = (f"Lower the learning rate (lr={lr:g}), train in float32 or bfloat16 rather than float16, "
+              f"or check loss_fn")
+    step, history, seen, seconds, resumed_at, scales = 0, [], 0, 0.0, None, {}
+    wrapped, bar, ready, done = None, None, False, False
+
+    def snapshot() -> dict:
+        return {"key": key, "lora": {n: p.detach().clone() for n, p in trainable.items()},
+                "optimizer": opt.state_dict(), "step": step, "micro_batch": step * accumulate, "history": history,
+                "tokens": seen, "seconds": seconds + time.perf_counter() - t0}
+
+    t0 = time.perf_counter()
+    with sigterm_as_interrupt():
+        try:
+            scales = rebalance_factors(model, names) if config["rebalance"] else {}
+            with torch.random.fork_rng(devices=_rng_devices(dev)), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+                torch.manual_seed(config["seed"])
+                wrapped = require("peft", "hf").get_peft_model(model, lora_cfg)
+            trainable = {n: p for n, p in wrapped.named_parameters() if p.requires_grad}
+            opt = torch.optim.AdamW(list(trainable.values()), lr=lr, weight_decay=config["weight_decay"])
+            if state is not None:
+                with torch.no_grad():
+                    for n, p in trainable.items():
+                        p.copy_(state["lora"][n])
+                opt.load_state_dict(state["optimizer"])
+                step, history, seen, seconds = state["step"], state["history"], state["tokens"], state["seconds"]
+                resumed_at = step
+                log.info("recovery: resuming %s at step %d of %d", path, step, total_steps)
+            ready = True
+            bar = tqdm(total=total_steps, initial=step, desc="LoRA recovery", disable=not progress)
+            wrapped.train()
+            while step < total_steps:
+                lr_t = lr * lr_factor(step, total_steps, config["warmup"], config["schedule"], min_lr / lr)
+                for group in opt.param_groups:
+                    group["lr"] = lr_t
+                opt.zero_grad(set_to_none=True)
+                loss, step_tokens = _gradients(wrapped, batches, step, config, loss_fn, dev, advice)
+                check_finite(what, step, total_steps, loss, {n: p.grad for n, p in trainable.items()}, advice=advice)
+                if max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(list(trainable.values()), max_grad_norm)
+                record = {"step": step, "loss": loss, "lr": lr_t, "tokens": seen + step_tokens}
+                with uninterrupted():
+                    opt.step()
+                    check_finite(what, step, total_steps, loss, trainable, kind="parameter", advice=advice)
+                    history.append(record)
+                    seen += step_tokens
+                    step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4g}")
+                if path is not None and (step % checkpoint_every == 0 or step == total_steps):
+                    save_checkpoint(path, snapshot())
+                if callback is not None:
+                    callback(step, record)
+            _check_merge(wrapped, what, step, total_steps, history[-1]["loss"] if history else float("nan"),
+                         advice)
+            done = True
+        except KeyboardInterrupt:
+            if ready:
+                save_on_interrupt(path, snapshot, what, step, total_steps)
+            raise
+        finally:
+            with uninterrupted():  # the model back whole, whatever arrives meanwhile
+                if bar is not None:
+                    bar.close()
+                _put_back(wrapped, done, saved, mods, flags, modes)
+    seconds += time.perf_counter() - t0
+    return step, history, seen, seconds, resumed_at, scales
 
 
 def recover(model: nn.Module, batches, *, tokens: int | None = None, steps: int | None = None,
@@ -227,44 +393,16 @@ def recover(model: nn.Module, batches, *, tokens: int | None = None, steps: int 
     On an error or an interruption the LoRA layers are removed and the factors put back as
     they were, so ``model`` is unchanged (its parameters bit for bit, their ``requires_grad``
     flags, its train/eval mode). A loss, gradient or LoRA weight that is NaN or infinite stops
-    the run at that step with :class:`~fisherkron.hf.truncation.NonFiniteTraining` (as does an
+    the run at that step with :class:`~fisherkron.hf.training.NonFiniteTraining` (as does an
     update whose merge would overflow); ``min_lr > lr`` and a checkpoint folder that can not be
     written are refused before any work. Returns a :class:`RecoveryReport`.
     """
     peft = require("peft", "hf")
     batches = check_batches(batches)
-    check_int(accumulate, "accumulate", minimum=1)
-    check_int(checkpoint_every, "checkpoint_every", minimum=1)
-    check_int(lora_rank, "lora_rank", minimum=1)
-    check_rates(lr, min_lr)
-    check_positive(lora_alpha, "lora_alpha")
-    check_positive(weight_decay, "weight_decay", zero_ok=True)
-    if max_grad_norm is not None:
-        check_positive(max_grad_norm, "max_grad_norm")
-    if not 0.0 <= lora_dropout < 1.0:
-        raise FisherkronError(f"lora_dropout must be in [0, 1); got {lora_dropout}")
-    if schedule not in SCHEDULES:
-        raise FisherkronError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
-    targets = tuple(targets)
-    if not targets or not set(targets) <= {"first", "second"}:
-        raise FisherkronError(f"targets must name the factors 'first' (W_1) and/or 'second' (W_2); got {targets!r}")
-    names = list(layers) if layers is not None else lowrank_layers(model)
-    mods = dict(model.named_modules())
-    bad = [n for n in names if not isinstance(mods.get(n), LowRankLinear)]
-    if bad or not names:
-        raise _untrainable(model, bad[0] if bad else None)
-    if layers is None and any(isinstance(m, SharedBasisLinear) for m in mods.values()):
-        log.warning("recovery: the model's Basis Sharing layers (SharedBasisLinear) are not trained, only its "
-                    "%d LowRankLinear layers", len(names))
-    per_batch = int(batches[0]["input_ids"].numel()) if "input_ids" in batches[0] else 1
-    if tokens is not None and steps is not None:
-        raise FisherkronError("give tokens= (a budget) or steps=, not both")
-    if tokens is not None:
-        total_steps = max(1, math.ceil(check_int(tokens, "tokens", minimum=1) / (accumulate * per_batch)))
-    elif steps is not None:
-        total_steps = check_int(steps, "steps", minimum=1)
-    else:
-        total_steps = math.ceil(len(batches) / accumulate)
+    targets = _check_options(accumulate, checkpoint_every, lora_rank, lr, min_lr, lora_alpha, weight_decay,
+                             max_grad_norm, lora_dropout, schedule, targets)
+    names, mods = _layers(model, layers)
+    total_steps = _total_steps(batches, tokens, steps, accumulate)
     warm = _warmup_steps(warmup, total_steps)
     loss_fn = loss_fn or default_loss
     shapes = {n: (mods[n].out_features, mods[n].in_features, mods[n].rank) for n in names}
@@ -279,103 +417,11 @@ def recover(model: nn.Module, batches, *, tokens: int | None = None, steps: int 
     path = Path(checkpoint) if checkpoint is not None else None
     prepare_checkpoint(path)  # before the model is touched: an unwritable folder fails now
     state = load_checkpoint(path, key, "recovery")
-
-    dev = next(model.parameters()).device
-    flags = [(p, p.requires_grad) for p in model.parameters()]  # PEFT freezes every base parameter
-    modes = [(m, m.training) for m in model.modules()]
-    saved = {n: (mods[n].first.weight.detach().clone(), mods[n].second.weight.detach().clone())
-             for n in names} if rebalance else {}
     lora_cfg = peft.LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias="none",
                                target_modules=[f"{n}.{t}" for n in names for t in targets])
-    what = "LoRA recovery"
-    advice = (f"Lower the learning rate (lr={lr:g}), train in float32 or bfloat16 rather than float16, "
-              f"or check loss_fn")
-    step, history, seen, seconds, resumed_at, scales = 0, [], 0, 0.0, None, {}
-    wrapped, bar, ready, done = None, None, False, False
-
-    def snapshot() -> dict:
-        return {"key": key, "lora": {n: p.detach().clone() for n, p in trainable.items()},
-                "optimizer": opt.state_dict(), "step": step, "micro_batch": step * accumulate, "history": history,
-                "tokens": seen, "seconds": seconds + time.perf_counter() - t0}
-
-    t0 = time.perf_counter()
-    with sigterm_as_interrupt():
-        try:
-            scales = rebalance_factors(model, names) if rebalance else {}
-            with torch.random.fork_rng(devices=_rng_devices(dev)), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-                torch.manual_seed(seed)
-                wrapped = peft.get_peft_model(model, lora_cfg)
-            trainable = {n: p for n, p in wrapped.named_parameters() if p.requires_grad}
-            opt = torch.optim.AdamW(list(trainable.values()), lr=lr, weight_decay=weight_decay)
-            if state is not None:
-                with torch.no_grad():
-                    for n, p in trainable.items():
-                        p.copy_(state["lora"][n])
-                opt.load_state_dict(state["optimizer"])
-                step, history, seen, seconds = state["step"], state["history"], state["tokens"], state["seconds"]
-                resumed_at = step
-                log.info("recovery: resuming %s at step %d of %d", path, step, total_steps)
-            ready = True
-            bar = tqdm(total=total_steps, initial=step, desc="LoRA recovery", disable=not progress)
-            wrapped.train()
-            while step < total_steps:
-                lr_t = lr * lr_factor(step, total_steps, warm, schedule, min_lr / lr)
-                for group in opt.param_groups:
-                    group["lr"] = lr_t
-                opt.zero_grad(set_to_none=True)
-                loss, step_tokens = 0.0, 0
-                with torch.random.fork_rng(devices=_rng_devices(dev)):
-                    torch.manual_seed(seed * 1_000_003 + step + 1)
-                    for a in range(accumulate):
-                        b = batches[batch_index(step * accumulate + a, len(batches), seed)]
-                        value = loss_fn(wrapped, to_device(b, dev))
-                        v = float(value.detach())
-                        check_finite(what, step, total_steps, v, advice=advice)  # before its backward
-                        (value / accumulate).backward()
-                        loss += v / accumulate
-                        step_tokens += int(b["input_ids"].numel()) if "input_ids" in b else 0
-                check_finite(what, step, total_steps, loss, {n: p.grad for n, p in trainable.items()}, advice=advice)
-                if max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(list(trainable.values()), max_grad_norm)
-                record = {"step": step, "loss": loss, "lr": lr_t, "tokens": seen + step_tokens}
-                with uninterrupted():
-                    opt.step()
-                    check_finite(what, step, total_steps, loss, trainable, kind="parameter", advice=advice)
-                    history.append(record)
-                    seen += step_tokens
-                    step += 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4g}")
-                if path is not None and (step % checkpoint_every == 0 or step == total_steps):
-                    save_checkpoint(path, snapshot())
-                if callback is not None:
-                    callback(step, record)
-            _check_merge(wrapped, what, step, total_steps, history[-1]["loss"] if history else float("nan"),
-                         advice)
-            done = True
-        except KeyboardInterrupt:
-            if ready:
-                save_on_interrupt(path, snapshot, what, step, total_steps)
-            raise
-        finally:
-            with uninterrupted():  # the model back whole, whatever arrives meanwhile
-                if bar is not None:
-                    bar.close()
-                if done:
-                    wrapped.merge_and_unload()
-                else:  # remove LoRA unmerged and put the factors back as they were
-                    if wrapped is not None:
-                        wrapped.unload()
-                    with torch.no_grad():
-                        for n, (W1, W2) in saved.items():
-                            mods[n].first.weight.copy_(W1)
-                            mods[n].second.weight.copy_(W2)
-                for p, flag in flags:
-                    p.requires_grad_(flag)
-                for m, mode in modes:
-                    m.training = mode
-    seconds += time.perf_counter() - t0
+    step, history, seen, seconds, resumed_at, scales = _train(
+        model, lora_cfg, mods, batches, config, key, state, path, checkpoint_every=checkpoint_every,
+        loss_fn=loss_fn, callback=callback, progress=progress)
     after = dict(model.named_modules())
     for n, (rows, cols, r) in shapes.items():
         low = after[n]

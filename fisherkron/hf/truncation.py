@@ -51,27 +51,23 @@ reading of the paper's 20 % / 40 % rows this package takes everywhere.
 Deterministic with a seed (data order; the model runs in ``eval()`` mode, no dropout), a tqdm
 bar (``progress``), a checkpoint (positions, Adam state, step, data position, loss curve) every
 ``checkpoint_every`` steps and on Ctrl-C / SIGTERM, and a resumed run reproduces the
-uninterrupted one. The checkpoint helpers here are shared with :mod:`fisherkron.hf.recovery`.
+uninterrupted one.
 
-**What a failed run leaves.** Both trainers stop at the step where the loss, a gradient or a
-trained parameter stops being finite (:func:`check_finite`: :class:`NonFiniteTraining` names the
-step and the loss) and put the model back as it was before the call. A checkpoint folder is
-made ready before any work (:func:`prepare_checkpoint`: the temporaries of a writer that was
-killed outright are removed, an unwritable folder is a one-line error); each checkpoint is
-written whole, with Ctrl-C and SIGTERM held until it is in place (:func:`save_checkpoint`).
+**What a failed run leaves** (:mod:`fisherkron.hf.training`, shared with
+:mod:`fisherkron.hf.recovery`). The run stops at the step where the loss, a gradient or a
+trained position stops being finite (:class:`~fisherkron.hf.training.NonFiniteTraining` names the
+step and the loss) and puts the model back as it was before the call. A checkpoint folder is
+made ready before any work (the temporaries of a writer that was killed outright are removed,
+an unwritable folder is a one-line error); each checkpoint is written whole, with Ctrl-C and
+SIGTERM held until it is in place.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import math
-import os
 import re
-import signal
-import tempfile
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -87,15 +83,17 @@ from ..core.checks import check_int, check_positive
 from ..core.conventions import FisherkronError
 from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
-from ..env import atomic_write, remove_stale_temporaries, sigterm_as_interrupt, temporary_name
+from ..env import sigterm_as_interrupt
 from .allocation import Decompositions
 from .budget import check_ratio, count_params, plan_ranks
 from .calibration import CalibrationStats, default_loss, select_layers
 from .calibration.keys import data_fingerprint
 from .surgery import CompressionReport, compress
+from .training import (batch_index, check_batches, check_finite, check_rates, config_key, load_checkpoint,
+                       prepare_checkpoint, save_checkpoint, save_on_interrupt, to_device, uninterrupted)
 
 __all__ = ["SoftTruncatedLinear", "TruncationReport", "train_truncation", "learn_truncation", "materialise",
-           "budget_ranks", "soft_ratio", "budget_term", "lm_term", "NonFiniteTraining", "DOBI", "LM_LOSSES"]
+           "budget_ranks", "soft_ratio", "budget_term", "lm_term", "DOBI", "LM_LOSSES"]
 
 log = logging.getLogger(__name__)
 
@@ -104,179 +102,6 @@ log = logging.getLogger(__name__)
 DOBI = {"beta": 10.0, "lam": 200.0, "lr": 5.0, "min_lr": 4.0, "lm_loss": "perplexity", "epochs": 20}
 LM_LOSSES = ("perplexity", "nll")
 CODE_VERSION = "truncation-2"  # enters the checkpoint key: bump when a checkpoint's meaning changes
-
-
-# ----------------------------------------------------------------------------- checkpoints and safe steps (shared)
-
-class NonFiniteTraining(FisherkronError):
-    """A training run met a NaN or an infinity (loss, gradient or trained parameter) and stopped at that step."""
-
-
-def check_rates(lr: float, min_lr: float) -> None:
-    """Refuse a schedule whose final rate ``min_lr`` exceeds its initial rate ``lr`` (it would anneal upward)."""
-    check_positive(lr, "lr")
-    check_positive(min_lr, "min_lr", zero_ok=True)
-    if min_lr > lr:
-        raise FisherkronError(f"min_lr={min_lr:g} (the final learning rate) exceeds lr={lr:g} (the initial one), "
-                              f"so the rate would anneal upward; pass min_lr <= lr")
-
-
-def first_nonfinite(tensors: Mapping[str, torch.Tensor | None]) -> str | None:
-    """The name of the first tensor holding a NaN or an infinity; ``None`` when all are finite (one sync)."""
-    named = [(n, t.detach()) for n, t in tensors.items() if t is not None]
-    if not named:
-        return None
-    device = named[0][1].device
-    finite = torch.stack([torch.isfinite(t).all().to(device) for _, t in named])  # (len(named),)
-    if bool(finite.all()):
-        return None
-    return named[int((~finite).nonzero()[0])][0]
-
-
-def check_finite(what: str, step: int, total: int, loss: float, tensors: Mapping | None = None, *,
-                 kind: str = "gradient", advice: str = "") -> None:
-    """Stop a training run at the step where a NaN or an infinity appears.
-
-    Raises :class:`NonFiniteTraining` naming step ``step + 1`` of ``total`` and the loss when ``loss``
-    is not finite, or when one of ``tensors`` is not: the gradients before the update
-    (``kind="gradient"``) or the trained parameters after it (``kind="parameter"``). The callers
-    put the model back as it was before the call; ``advice`` says what to try.
-    """
-    if not math.isfinite(loss):
-        why = f"the loss is {loss}"
-    else:
-        name = first_nonfinite(tensors or {})
-        if name is None:
-            return
-        why = (f"the gradient of {name} is not finite" if kind == "gradient" else
-               f"{name} is not finite after the update") + f" (loss {loss:.6g})"
-    raise NonFiniteTraining(f"{what} stopped at step {step + 1} of {total}: {why}; the model is left as it was "
-                            f"before the call. {advice}")
-
-
-def config_key(config: dict) -> str:
-    """A hash of a run's configuration (JSON): a checkpoint resumes only the run it belongs to."""
-    return hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
-
-
-def prepare_checkpoint(path: Path | None) -> None:
-    """Make ready the folder of checkpoint file ``path`` before a run changes anything.
-
-    Creates the folder, removes the temporaries that a writer killed outright (SIGKILL, a crash)
-    left there (:func:`fisherkron.env.remove_stale_temporaries`: only those whose process is gone),
-    and writes and removes a probe file, so that a folder the run can not write to is a one-line
-    error now, not at the first checkpoint.
-    """
-    if path is None:
-        return
-    if path.is_dir():
-        raise FisherkronError(f"checkpoint={path} is a folder; pass a file in it, e.g. {path / 'checkpoint.pt'}")
-    folder = path.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        count, freed = remove_stale_temporaries(folder)
-        fd, probe = tempfile.mkstemp(prefix=temporary_name(path.stem), suffix=".probe", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise FisherkronError(f"cannot write checkpoints in {folder} ({exc.strerror or exc}); nothing was changed. "
-                              f"Make the folder writable, or pass checkpoint= a file in a writable folder") from None
-    if count:
-        log.info("removed %d temporary file(s) of dead processes from %s (%d bytes)", count, folder, freed)
-
-
-def save_checkpoint(path: Path, state: dict) -> None:
-    """Write ``state`` to ``path`` atomically (a temporary file renamed into place).
-
-    Ctrl-C and SIGTERM wait until the write is done (:func:`uninterrupted`), so the file is the
-    whole new state or the earlier one and no temporary is left behind; a failed write is a
-    one-line error naming the folder.
-    """
-    with uninterrupted():
-        try:
-            atomic_write(path, lambda t: torch.save(state, t))
-        except OSError as exc:
-            raise FisherkronError(f"cannot write the checkpoint {path} ({exc.strerror or exc}); free space in "
-                                  f"{path.parent} or make it writable, or pass checkpoint= a file elsewhere") from None
-
-
-def save_on_interrupt(path: Path | None, state, what: str, step: int, total: int) -> None:
-    """On Ctrl-C / SIGTERM: keep the training state ``state()`` at ``path``; a failed write is logged, not raised
-    (the interruption goes on)."""
-    if path is None:
-        return
-    try:
-        save_checkpoint(path, state())
-    except FisherkronError as exc:
-        log.warning("%s interrupted at step %d of %d; the state could not be kept: %s", what, step, total, exc)
-        return
-    log.warning("%s interrupted at step %d of %d; the state is in %s (run again to resume)", what, step, total, path)
-
-
-def load_checkpoint(path: Path | None, key: str, what: str) -> dict | None:
-    """The checkpoint at ``path`` if it belongs to the run with ``key``; ``None`` when there is none."""
-    if path is None or not path.exists():
-        return None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same one-line error
-        raise FisherkronError(f"{path} is not a readable {what} checkpoint ({type(exc).__name__}); "
-                              f"delete it to start the run again") from None
-    if not isinstance(state, dict) or state.get("key") != key:
-        raise FisherkronError(f"{path} is the checkpoint of another {what} run (its configuration differs); "
-                              f"delete it, or pass another checkpoint= path")
-    return state
-
-
-@contextlib.contextmanager
-def uninterrupted():
-    """Ctrl-C and SIGTERM wait until the block is done (an optimiser step, a checkpoint write, the model put
-    back: whole or not at all).
-
-    While the block runs, a handler notes each signal instead of acting (masking the signal would not
-    do: the kernel hands a process-wide signal to any thread that does not mask it, e.g. one of
-    torch's); afterwards the earlier handlers are back and the first signal noted is raised again, so it
-    acts as it would have: ``KeyboardInterrupt`` for Ctrl-C and, under
-    :func:`~fisherkron.env.sigterm_as_interrupt`, for SIGTERM. Only the main thread can install handlers;
-    elsewhere the block runs unchanged.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-
-    def note(signum, frame):
-        pending.append(signum)
-
-    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    old = {sig: h for sig, h in old.items() if h is not None}  # None: a handler not set from Python, left alone
-    for sig in old:
-        signal.signal(sig, note)
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
-        if pending:
-            signal.raise_signal(pending[0])
-
-
-def batch_index(j: int, n: int, seed: int) -> int:
-    """Which of ``n`` batches is micro-batch ``j``: epoch ``j // n`` visits all in a seeded random order."""
-    epoch, pos = divmod(j, n)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return int(order[pos])
-
-
-def to_device(batch: Mapping, device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def check_batches(batches) -> list:
-    batches = list(batches)
-    if not batches or not all(isinstance(b, Mapping) for b in batches):
-        raise FisherkronError("batches must be a non-empty list of dicts of tensors (e.g. from lm_batches)")
-    return batches
 
 
 # ----------------------------------------------------------------------------- the soft-truncated layer
@@ -505,6 +330,136 @@ def _init_ranks(model, names, ratio, init) -> dict:
     return ranks
 
 
+def _check_options(accumulate, checkpoint_every, beta, lam, lr, min_lr, lm_loss, keep) -> None:
+    """The options of :func:`train_truncation` it refuses before any work (one-line errors)."""
+    check_int(accumulate, "accumulate", minimum=1)
+    check_int(checkpoint_every, "checkpoint_every", minimum=1)
+    for value, name in ((beta, "beta"), (lam, "lam")):
+        check_positive(value, name)
+    check_rates(lr, min_lr)
+    if lm_loss not in LM_LOSSES:
+        raise FisherkronError(f"lm_loss must be one of {', '.join(LM_LOSSES)}; got {lm_loss!r}")
+    if keep not in ("final", "best"):
+        raise FisherkronError(f"keep must be 'final' or 'best'; got {keep!r}")
+
+
+def _soft_layers(mods: Mapping[str, nn.Module], decs: Mapping, init_ranks: Mapping[str, int | None],
+                 beta: float) -> dict[str, SoftTruncatedLinear]:
+    """Each layer of ``decs`` as a :class:`SoftTruncatedLinear` on its decomposition, at ``gamma = r_0 - 1/2``
+    (``r_0`` its initial rank, ``None``: ``q``); the positions are float64 for a float64 layer, else float32."""
+    soft: dict[str, SoftTruncatedLinear] = {}
+    for n, dec in decs.items():
+        lin = mods[n]
+        W = lin.weight
+        gdt = torch.float64 if W.dtype == torch.float64 else torch.float32
+        r0 = init_ranks[n] if init_ranks[n] is not None else min(lin.out_features, lin.in_features)
+        soft[n] = SoftTruncatedLinear(dec.P.to(W.device, W.dtype), dec.S.to(W.device), dec.Q.to(W.device, W.dtype),
+                                      lin.bias.detach() if lin.bias is not None else None, r0 - 0.5, beta, gdt)
+    return soft
+
+
+def _gradients(model: nn.Module, soft: Mapping[str, SoftTruncatedLinear], batches: list, step: int, config: dict,
+               lr_t: float, loss_fn, dev, advice: str) -> dict:
+    """Accumulate the gradients of one step's loss in the positions: the language-model term of each
+    micro-batch, then the budget term. Returns the step's record; a loss that is not finite stops the run
+    before its backward (:func:`~fisherkron.hf.training.check_finite`)."""
+    accumulate, total_steps, what = config["accumulate"], config["steps"], "learned truncation"
+    lm = 0.0
+    for a in range(accumulate):
+        b = batches[batch_index(step * accumulate + a, len(batches), config["seed"])]
+        term = lm_term(model, to_device(b, dev), config["lm_loss"], loss_fn)
+        value = float(term.detach())
+        check_finite(what, step, total_steps, value, advice=advice)  # before its backward
+        (term / accumulate).backward()
+        lm += value / accumulate
+    budget, rho, penalty = budget_term(soft, config["total"], config["ratio"], config["lam"])
+    budget.backward()
+    return {"step": step, "loss": lm + float(penalty.detach()), "lm": lm, "ratio": float(rho.detach()),
+            "penalty": float(penalty.detach()), "lr": lr_t}
+
+
+def _train(model: nn.Module, soft: dict[str, SoftTruncatedLinear], batches: list, config: dict, key: str,
+           state: dict | None, path: Path | None, *, checkpoint_every: int, loss_fn, callback,
+           progress: bool) -> tuple[int, list, float, dict | None, int | None]:
+    """The training loop of :func:`train_truncation` on the layers ``soft`` (swapped into ``model`` for the
+    run and put back), with the hyperparameters of ``config`` (what the checkpoint key hashes), resumed from
+    ``state``. Returns ``(steps, history, seconds, best, resumed_at)``."""
+    names = list(soft)
+    total_steps, accumulate, keep = config["steps"], config["accumulate"], config["keep"]
+    lr, min_lr, period = config["lr"], config["min_lr"], config["period"]
+    dense = {n: model.get_submodule(n) for n in names}
+    opt = torch.optim.Adam([soft[n].gamma for n in names], lr=lr)
+    step, history, seconds, best, resumed_at = 0, [], 0.0, None, None
+    if state is not None:
+        with torch.no_grad():
+            for n in names:
+                soft[n].gamma.copy_(state["gammas"][n])
+        opt.load_state_dict(state["optimizer"])
+        step, history, seconds, best = state["step"], state["history"], state["seconds"], state["best"]
+        resumed_at = step
+        log.info("learned truncation: resuming %s at step %d of %d", path, step, total_steps)
+
+    def snapshot() -> dict:
+        return {"key": key, "gammas": {n: soft[n].gamma.detach().clone() for n in names},
+                "optimizer": opt.state_dict(), "step": step, "micro_batch": step * accumulate,
+                "history": history, "seconds": seconds, "best": best}
+
+    dev = next(iter(soft.values())).Pt.device
+    modes = [(m, m.training) for m in model.modules()]  # each module's own mode, put back after eval()
+    grads = {name: p.requires_grad for name, p in model.named_parameters()}
+    gammas = {f"the position of {n}": soft[n].gamma for n in names}
+    advice = (f"Lower the learning rate (lr={lr:g}, min_lr={min_lr:g}), train on lm_loss='nll' (exp(NLL) overflows "
+              f"where the NLL passes ~88 in float32), use float32 or bfloat16 rather than float16, or check loss_fn")
+    what = "learned truncation"
+    t0 = time.perf_counter()
+    bar = tqdm(total=total_steps, initial=step, desc=f"learned truncation ({config['method']})", disable=not progress)
+    with sigterm_as_interrupt():
+        try:
+            model.eval()
+            model.requires_grad_(False)
+            for n in names:
+                model.set_submodule(n, soft[n])
+            while step < total_steps:
+                lr_t = min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * step / period))
+                for group in opt.param_groups:
+                    group["lr"] = lr_t
+                opt.zero_grad(set_to_none=True)
+                record = _gradients(model, soft, batches, step, config, lr_t, loss_fn, dev, advice)
+                check_finite(what, step, total_steps, record["loss"], {n: g.grad for n, g in gammas.items()},
+                             advice=advice)
+                with uninterrupted():
+                    if keep == "best" and (best is None or record["loss"] < best["loss"]):
+                        best = {"loss": record["loss"], "step": step,
+                                "gammas": {n: soft[n].gamma.detach().clone() for n in names}}
+                    opt.step()
+                    check_finite(what, step, total_steps, record["loss"], gammas, kind="parameter", advice=advice)
+                    history.append(record)
+                    step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.4g}", ratio=f"{record['ratio']:.4f}")
+                if path is not None and (step % checkpoint_every == 0 or step == total_steps):
+                    seconds_now = seconds + time.perf_counter() - t0
+                    save_checkpoint(path, {**snapshot(), "seconds": seconds_now})
+                if callback is not None:
+                    callback(step, record)
+        except KeyboardInterrupt:
+            save_on_interrupt(path, lambda: {**snapshot(), "seconds": seconds + time.perf_counter() - t0}, what,
+                              step, total_steps)
+            raise
+        finally:
+            with uninterrupted():  # the dense layers back whole, whatever arrives meanwhile
+                bar.close()
+                for n in names:
+                    if model.get_submodule(n) is soft[n]:
+                        model.set_submodule(n, dense[n])
+                for name, p in model.named_parameters():
+                    p.requires_grad_(grads.get(name, p.requires_grad))
+                for m, mode in modes:
+                    m.training = mode
+    seconds += time.perf_counter() - t0
+    return step, history, seconds, best, resumed_at
+
+
 def train_truncation(model: nn.Module, method: str, stats: CalibrationStats | None, batches, *, ratio: float,
                      layers=None, init="uniform", decompositions: Decompositions | None = None,
                      epochs: int = 1, steps: int | None = None, accumulate: int = 1, lr: float = DOBI["lr"],
@@ -554,15 +509,7 @@ def train_truncation(model: nn.Module, method: str, stats: CalibrationStats | No
     method_row(method)
     ratio = check_ratio(ratio)
     batches = check_batches(batches)
-    check_int(accumulate, "accumulate", minimum=1)
-    check_int(checkpoint_every, "checkpoint_every", minimum=1)
-    for value, name in ((beta, "beta"), (lam, "lam")):
-        check_positive(value, name)
-    check_rates(lr, min_lr)
-    if lm_loss not in LM_LOSSES:
-        raise FisherkronError(f"lm_loss must be one of {', '.join(LM_LOSSES)}; got {lm_loss!r}")
-    if keep not in ("final", "best"):
-        raise FisherkronError(f"keep must be 'final' or 'best'; got {keep!r}")
+    _check_options(accumulate, checkpoint_every, beta, lam, lr, min_lr, lm_loss, keep)
     per_epoch = math.ceil(len(batches) / accumulate)
     total_steps = check_int(steps, "steps", minimum=1) if steps is not None else \
         check_int(epochs, "epochs", minimum=1) * per_epoch
@@ -590,97 +537,10 @@ def train_truncation(model: nn.Module, method: str, stats: CalibrationStats | No
                                      "asvd_alpha": asvd_alpha, "mff_options": repr(mff_options)}, default=str)}
     key = config_key(config)
     state = load_checkpoint(path, key, "learned-truncation")
-
-    soft: dict[str, SoftTruncatedLinear] = {}
-    for n in names:
-        lin, dec = mods[n], decs[n]
-        W = lin.weight
-        gdt = torch.float64 if W.dtype == torch.float64 else torch.float32
-        r0 = init_ranks[n] if init_ranks[n] is not None else min(shapes[n])
-        soft[n] = SoftTruncatedLinear(dec.P.to(W.device, W.dtype), dec.S.to(W.device), dec.Q.to(W.device, W.dtype),
-                                      lin.bias.detach() if lin.bias is not None else None, r0 - 0.5, beta, gdt)
-    params = [soft[n].gamma for n in names]
-    opt = torch.optim.Adam(params, lr=lr)
-    step, history, seconds, best = 0, [], 0.0, None
-    resumed_at = None
-    if state is not None:
-        with torch.no_grad():
-            for n in names:
-                soft[n].gamma.copy_(state["gammas"][n])
-        opt.load_state_dict(state["optimizer"])
-        step, history, seconds, best = state["step"], state["history"], state["seconds"], state["best"]
-        resumed_at = step
-        log.info("learned truncation: resuming %s at step %d of %d", path, step, total_steps)
-
-    def snapshot() -> dict:
-        return {"key": key, "gammas": {n: soft[n].gamma.detach().clone() for n in names},
-                "optimizer": opt.state_dict(), "step": step, "micro_batch": step * accumulate,
-                "history": history, "seconds": seconds, "best": best}
-
-    dev = next(iter(soft.values())).Pt.device
-    modes = [(m, m.training) for m in model.modules()]  # each module's own mode, put back after eval()
-    grads = {name: p.requires_grad for name, p in model.named_parameters()}
-    gammas = {f"the position of {n}": soft[n].gamma for n in names}
-    advice = (f"Lower the learning rate (lr={lr:g}, min_lr={min_lr:g}), train on lm_loss='nll' (exp(NLL) overflows "
-              f"where the NLL passes ~88 in float32), use float32 or bfloat16 rather than float16, or check loss_fn")
-    what = "learned truncation"
-    t0 = time.perf_counter()
-    bar = tqdm(total=total_steps, initial=step, desc=f"learned truncation ({method})", disable=not progress)
-    with sigterm_as_interrupt():
-        try:
-            model.eval()
-            model.requires_grad_(False)
-            for n in names:
-                model.set_submodule(n, soft[n])
-            while step < total_steps:
-                lr_t = min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * step / period))
-                for group in opt.param_groups:
-                    group["lr"] = lr_t
-                opt.zero_grad(set_to_none=True)
-                lm = 0.0
-                for a in range(accumulate):
-                    b = batches[batch_index(step * accumulate + a, len(batches), seed)]
-                    term = lm_term(model, to_device(b, dev), lm_loss, loss_fn)
-                    value = float(term.detach())
-                    check_finite(what, step, total_steps, value, advice=advice)  # before its backward
-                    (term / accumulate).backward()
-                    lm += value / accumulate
-                budget, rho, penalty = budget_term(soft, total, ratio, lam)
-                budget.backward()
-                record = {"step": step, "loss": lm + float(penalty.detach()), "lm": lm, "ratio": float(rho.detach()),
-                          "penalty": float(penalty.detach()), "lr": lr_t}
-                check_finite(what, step, total_steps, record["loss"], {n: g.grad for n, g in gammas.items()},
-                             advice=advice)
-                with uninterrupted():
-                    if keep == "best" and (best is None or record["loss"] < best["loss"]):
-                        best = {"loss": record["loss"], "step": step,
-                                "gammas": {n: soft[n].gamma.detach().clone() for n in names}}
-                    opt.step()
-                    check_finite(what, step, total_steps, record["loss"], gammas, kind="parameter", advice=advice)
-                    history.append(record)
-                    step += 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.4g}", ratio=f"{record['ratio']:.4f}")
-                if path is not None and (step % checkpoint_every == 0 or step == total_steps):
-                    seconds_now = seconds + time.perf_counter() - t0
-                    save_checkpoint(path, {**snapshot(), "seconds": seconds_now})
-                if callback is not None:
-                    callback(step, record)
-        except KeyboardInterrupt:
-            save_on_interrupt(path, lambda: {**snapshot(), "seconds": seconds + time.perf_counter() - t0}, what,
-                              step, total_steps)
-            raise
-        finally:
-            with uninterrupted():  # the dense layers back whole, whatever arrives meanwhile
-                bar.close()
-                for n in names:
-                    if model.get_submodule(n) is soft[n]:
-                        model.set_submodule(n, mods[n])
-                for name, p in model.named_parameters():
-                    p.requires_grad_(grads.get(name, p.requires_grad))
-                for m, mode in modes:
-                    m.training = mode
-    seconds += time.perf_counter() - t0
+    soft = _soft_layers(mods, decs, init_ranks, beta)
+    step, history, seconds, best, resumed_at = _train(model, soft, batches, config, key, state, path,
+                                                      checkpoint_every=checkpoint_every, loss_fn=loss_fn,
+                                                      callback=callback, progress=progress)
     chosen = best["gammas"] if keep == "best" and best is not None else {n: soft[n].gamma.detach() for n in names}
     with torch.no_grad():
         for n in names:
