@@ -99,7 +99,7 @@ clean-venv: ## remove the virtual environment
 # only the extra-compression study calls them (the others import them through fisherkron.hf's
 # re-exports and never run them), so a change to them re-runs that study alone.
 CORE_SRC := $(sort $(wildcard fisherkron/core/*.py fisherkron/*.py)) fisherkron/experiments/figures.py
-HF_TRAIN_SRC := fisherkron/hf/truncation.py fisherkron/hf/recovery.py
+HF_TRAIN_SRC := fisherkron/hf/truncation.py fisherkron/hf/recovery.py fisherkron/hf/training.py
 HF_SRC   := $(filter-out $(HF_TRAIN_SRC),$(sort $(wildcard fisherkron/hf/*.py fisherkron/hf/*/*.py)))
 EXP      := fisherkron/experiments
 

@@ -88,7 +88,7 @@ TASKS4 = ("arc_easy", "arc_challenge", "piqa", "hellaswag")
 TRAIN_SEED = 1000
 _NAMES = {"svd": "SVD", "svd_llm": "SVD-LLM", "gfwsvd": "GFWSVD", "dense": "Full model"}
 #: the library sources whose code decides a trained model (their contents enter every training key)
-_SOURCES = ("hf/truncation.py", "hf/recovery.py")
+_SOURCES = ("hf/truncation.py", "hf/recovery.py", "hf/training.py")
 
 
 # ----------------------------------------------------------------------------- configuration

@@ -14,6 +14,7 @@ module             what it holds
 ``basis_sharing``  Basis Sharing (Wang et al. 2024): cross-layer shared bases, a Sec. 6.3 baseline
 ``truncation``     ``learn_truncation``: Dobi-SVD's trainable truncation positions on any weighted SVD (Sec. 6.4)
 ``recovery``       ``recover``: PEFT LoRA on LowRankLinear's factors, merged; training text kept apart from evaluation
+``training``       what both trainers guarantee: non-finite steps stop the run, checkpoints written whole
 ``speed``          FLOPs of a forward pass (analytic, and counted on a meta copy); measured layer speed
 ``saving``         ``save_compressed`` / ``load_compressed``: safetensors folders
 ``transaction``    all-or-nothing replacement of a folder's files (mount points too): journal, commit, undo
