@@ -12,30 +12,37 @@
 # ---
 
 # %% [markdown]
-# # Rank allocation: quality against cost (beyond the paper; issue 22)
+# # Rank allocation: quality against cost (beyond the paper)
 #
-# **Question.** The paper allocates GFWSVD's per-layer ranks with ASVD's sensitivity sweep (Sec. 6.3): every
-# layer compressed alone at every candidate ratio, one held-out evaluation each. Theorem 1 predicts each layer's
-# loss increase for free (`0.5 sum_{i>r} s~_i^2`, the `fisher` allocation), in each layer's own Fisher metric,
-# which orders one layer's compressions well but puts different layers on different scales
-# (`fig_rank_allocation`). The `calibrated` allocation keeps Theorem 1's curve and takes each layer's scale
-# from **one** measured point (the held-out loss increase, or the KL divergence from the dense outputs, with
-# that layer alone at half its weights), then solves the budget exactly (integer program, HiGHS). LEMS
-# (Thoma et al., ICML 2026) does the same with the tail energy of the singular values as the shape, a KL
+# **Claim (paper Sec. 6.3; this study goes beyond the paper).** The paper allocates GFWSVD's per-layer ranks
+# with ASVD's sensitivity sweep: every layer compressed alone at every candidate ratio, one held-out evaluation
+# each. The question here: does Theorem 1's free loss curve of each layer, put on a common scale by **one**
+# measured point per layer (the `calibrated` allocation), do as well as the better of the sweep and the free
+# `fisher` allocation with at most a third of the sweep's evaluations, and better than LEMS?
+
+# %% [markdown]
+# ## Experiment
+#
+# Theorem 1 predicts each layer's loss increase for free (`0.5 sum_{i>r} s~_i^2`, the `fisher` allocation), in
+# each layer's own Fisher metric, which orders one layer's compressions well but puts different layers on
+# different scales (`fig_rank_allocation`). The `calibrated` allocation keeps Theorem 1's curve and takes each
+# layer's scale from **one** measured point (the held-out loss increase, or the KL divergence from the dense
+# outputs, with that layer alone at half its weights), then solves the budget exactly (integer program, HiGHS).
+# LEMS (Thoma et al., ICML 2026) does the same with the tail energy of the singular values as the shape, a KL
 # point at 10 % of the rank and a depth bias; `lems` is our reimplementation.
 #
-# **Experiment (embedded default).** SmolLM2-135M with the decoder tables' protocol and caches
+# **Embedded default.** SmolLM2-135M with the decoder tables' protocol and caches
 # (`tab_llm_compression_main`: k = 32 calibration batches of 2 x 256 C4 tokens; the sweep and the one-point
 # measurements on the same 2 held-out batches; ASVD's candidates 0.1-0.6). GFWSVD, KFAC-SVD and SVD-LLM under
 # the six allocations, ASVD with uniform and its own sweep, at 5-30 % of the whole model's parameters removed.
 #
 # **How to read.** Fig. `fig_allocation_cost`: PTB perplexity (lower is better) against the model evaluations
 # each allocation spent, one panel per ratio. Tab. `tab_allocation_cost`: every case. The verdicts at the end
-# (issue 22's target: `calibrated` at most the better of `sensitivity` and `fisher` at 10 % and 20 % for every
-# method, with at most a third of the sweep's evaluations, and ahead of `lems`) are computed from these numbers,
-# for whichever measured point (loss or KL) the rows show works better.
+# (the target: `calibrated` at most the better of `sensitivity` and `fisher` at 10 % and 20 % for every method,
+# with at most a third of the sweep's evaluations, and ahead of `lems`) are computed from these numbers, for
+# whichever measured point (loss or KL) the rows show works better.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make fig_allocation_cost`); the paper-scale value in the comment
 # (`PROFILE=paper`). CPU cost of the default: see notebooks/params/fig_allocation_cost.default.yaml.
 output_dir = "figures"  # paper: "figures/paper"
@@ -58,9 +65,9 @@ ratios = [0.05, 0.1, 0.15, 0.2, 0.3]  # paper: same
 methods = ["gfwsvd", "kfac_svd", "svd_llm"]  # paper: same
 allocations = ["uniform", "fisher", "sensitivity", "lems", "calibrated", "calibrated_kl"]  # paper: same
 asvd_allocations = ["uniform", "sensitivity"]  # ASVD with its own sweep; paper: same
-target_ratios = [0.1, 0.2]  # issue 22's target ratios; paper: same
+target_ratios = [0.1, 0.2]  # the ratios of the target; paper: same
 
-# %%
+# %% tags=["hide-input"]
 import time
 
 import matplotlib.pyplot as plt
@@ -75,7 +82,8 @@ from fisherkron.experiments import llm_compression as lc
 from fisherkron.experiments import llm_summary as ls
 from fisherkron.hf.allocation import fisher_curves
 
-transformers.logging.set_verbosity_error()
+transformers.logging.set_verbosity_error()  # no load report
+transformers.utils.logging.disable_progress_bar()
 started = time.perf_counter()
 NB = "notebooks/fig_allocation_cost.py"
 params = {k_: v for k_, v in dict(globals()).items()
@@ -93,7 +101,7 @@ print(f"dense: Wikipedia {dense['ppl_wiki']:.2f}, PTB {dense['ppl_ptb']:.2f}, he
 # Method by method (each method's weighted SVDs computed once), every allocation at every ratio it can reach;
 # every score, sweep and one-point measurement is cached.
 
-# %%
+# %% tags=["hide-input"]
 plan = {m: list(allocations) for m in methods}
 if asvd_allocations:
     plan["asvd"] = list(asvd_allocations)
@@ -131,7 +139,7 @@ display(Markdown(table.to_markdown(index=False, floatfmt=".4g")))
 # lower is better. The dotted line is the dense model; a point above 100x its perplexity sits on the top edge
 # with its value.
 
-# %%
+# %% tags=["hide-input"]
 colors = {"gfwsvd": "C3", "kfac_svd": "C0", "svd_llm": "C2", "asvd": "C7"}
 markers = {"uniform": "o", "fisher": "s", "sensitivity": "^", "lems": "D", "calibrated": "*", "calibrated_kl": "P"}
 # the y range holds every point within 100x the dense model; a point beyond it (ASVD with one ratio in every layer)
@@ -159,7 +167,7 @@ handles += [plt.Line2D([], [], color="0.4", marker=mk, ls="", label=a) for a, mk
 fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize="small", frameon=False,
            bbox_to_anchor=(0.5, 1.06))
 fig.tight_layout()
-figures.save_figure(fig, "fig_allocation_cost", output_dir, params, started=started, notebook=NB)
+figures.save_figure(fig, "fig_allocation_cost", output_dir, params, started=started, notebook=NB);
 
 # %% [markdown]
 # ## Does one measured point per layer put the layers on one scale?
@@ -167,7 +175,7 @@ figures.save_figure(fig, "fig_allocation_cost", output_dir, params, started=star
 # ranks, raw and scaled by the `calibrated` allocation's per-layer factors) against the measured held-out loss
 # increase; Spearman's rank correlation over the method's whole allocations (all allocations and ratios).
 
-# %%
+# %% tags=["hide-input"]
 pred_rows, rho = [], {}
 for m in methods:
     mine = [r for r in rows if r["method"] == m]
@@ -194,14 +202,14 @@ for ax, col, name in ((axes2[0], "predicted_raw", "raw Theorem-1 curves"),
 axes2[0].set_ylabel("measured held-out loss increase (nats)")
 fig2.tight_layout()
 figures.save_figure(fig2, "fig_allocation_prediction", output_dir, params, started=started, notebook=NB,
-                    extra={"spearman": rho})
+                    extra={"spearman": rho});
 
 # %% [markdown]
 # ## Verdicts (computed from the numbers above)
 
-# %%
+# %% tags=["hide-input"]
 # which measured point puts the layers on one scale better: the held-out loss increase or the KL divergence from
-# the dense outputs (issue 22 asks for whichever the study shows works better); the target is checked for it
+# the dense outputs; the target is checked for whichever the study shows works better
 duel = ac.head_to_head(rows, "calibrated_kl", "calibrated", methods, ratios)
 better = "calibrated_kl" if duel["geomean"] < 1 else "calibrated"
 got = ac.target(rows, methods, target_ratios, calibrated=better)
@@ -259,4 +267,4 @@ figures.write_provenance(output_dir, "fig_allocation_cost_summary",
                          figures.provenance("fig_allocation_cost_summary", params, started=started, notebook=NB,
                                             extra={"verdict": verdict, "lines": lines,
                                                    "rows": [{k_: v for k_, v in r.items() if k_ not in
-                                                             ("ranks", "predicted", "scales")} for r in rows]}))
+                                                             ("ranks", "predicted", "scales")} for r in rows]}));
