@@ -199,6 +199,10 @@ def test_model_argument_errors(tmp_path, cheap, monkeypatch, capsys, models):
     _forbid(monkeypatch, "load_model")
     base = ["--rank", "2", "--out", tmp_path / "out"]
     assert "does not exist" in error(["compress", tmp_path / "missing", *base], capsys)
+    here = tmp_path / "models"
+    here.mkdir()
+    monkeypatch.chdir(tmp_path)  # "models/my-modle": a folder of this machine, mistyped, not a hub name
+    assert "no model folder at models/my-modle" in error(["compress", "models/my-modle", *base], capsys)
     (tmp_path / "weights.bin").write_text("x")
     assert "is a file" in error(["compress", tmp_path / "weights.bin", *base], capsys)
     (tmp_path / "empty").mkdir()

@@ -311,8 +311,11 @@ def describe_model(name: str) -> ModelInfo:
         arch = (cfg.get("architectures") or [None])[0]
         source = "compressed" if (path / MANIFEST).exists() else "folder"
         return ModelInfo(name, source, task, labels, arch, factorised=cfg.get("model_type") == MODEL_TYPE)
-    if name.startswith((".", "/", "~")) or (os.sep in name.rstrip(os.sep) and name.count("/") != 1):
-        raise FisherkronError(f"model folder {name} does not exist")
+    from ..hf.registry import local_model_path  # the one rule for "is this name a path?", as load_model's
+
+    if local_model_path(name) is not None:
+        raise FisherkronError(f"no model folder at {name} ({local_model_path(name).resolve()} does not exist): "
+                              "check the path, or name an embedded model ('smollm2' or 'minilm')")
     alt = PAPER_MODELS.get(name)
     task, labels, arch = ("sequence-classification" if alt == "minilm" else "causal-lm"), None, None
     set_offline_env()  # as load_model does: the hub is used only where the user switched it on

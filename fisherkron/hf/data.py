@@ -48,6 +48,7 @@ __all__ = [
     "wiki_text",
     "c4_documents",
     "lm_batches",
+    "no_length_warning",
     "classification_batches",
     "window_ids",
 ]
@@ -246,8 +247,10 @@ class _DropTooLong(logging.Filter):
 
 
 @contextmanager
-def _windowed(tokenizer) -> Iterator[None]:
+def no_length_warning(tokenizer) -> Iterator[None]:
     """Within the block, ``tokenizer`` does not give the warning :data:`TOO_LONG`; all else passes.
+
+    For a caller that tokenises a long text only to cut it into windows, or to measure its length.
 
     The filter sits on the logger of the module that defines the warning and drops that message only;
     the tokenizer's once-only flag is put back as it was, so the user's own call of a too-long text
@@ -275,9 +278,9 @@ def window_ids(tokenizer, text: str) -> list[int]:
     """``tokenizer(text, add_special_tokens=False)["input_ids"]`` of a text the caller cuts into windows.
 
     transformers warns that such a text "will result in indexing errors" when it is longer than the
-    model's maximum; the windows are not, so that warning is not given (:func:`_windowed`).
+    model's maximum; the windows are not, so that warning is not given (:func:`no_length_warning`).
     """
-    with _windowed(tokenizer):
+    with no_length_warning(tokenizer):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

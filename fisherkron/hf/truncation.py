@@ -516,6 +516,8 @@ def train_truncation(model: nn.Module, method: str, stats: CalibrationStats | No
     period = check_int(period, "period", minimum=1) if period is not None else per_epoch
     decompositions = decompositions if decompositions is not None else Decompositions()
     names = _names(model, layers, stats)
+    if stats is not None:  # statistics of another model would train positions for a wrong factorisation
+        stats.check_model(model)
     mods = dict(model.named_modules())
     shapes = {n: (mods[n].out_features, mods[n].in_features) for n in names}
     total = count_params(model)
