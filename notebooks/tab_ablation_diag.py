@@ -14,19 +14,23 @@
 # %% [markdown]
 # # Diagonal and off-diagonal parts of the Kronecker factors (paper App. "Impact of diagonal and non-diagonal elements": Tab. ablation_diag_results), and a transposition pitfall
 #
-# **Claim (paper appendix).** Compressing Llama-2-7B-chat at 10 % and 15 % with GFWSVD whose factors keep
-# only their diagonal (**Diag**) or only their off-diagonal part (**Non-diag**), "the Diag variant performs
-# better than FWSVD but worse than GFWSVD"; Non-diag is better than Diag and Full GFWSVD is best: the
-# perplexity falls along FWSVD > Diag > Non-diag > Full on WikiText-2 and PTB.
+# **Claim (paper App. "Impact of diagonal and non-diagonal elements").** Compressing Llama-2-7B-chat at
+# 10 % and 15 % with GFWSVD whose factors keep only their diagonal (**Diag**) or only their off-diagonal
+# part (**Non-diag**), "the Diag variant performs better than FWSVD but worse than GFWSVD"; Non-diag is
+# better than Diag and Full GFWSVD is best: the perplexity falls along FWSVD > Diag > Non-diag > Full on
+# WikiText-2 and PTB (Tab. ablation_diag_results).
+
+# %% [markdown]
+# ## Experiment
 #
-# **Experiment (embedded default).** SmolLM2-135M (4-bit-quantised weights, dequantised) with the protocol
+# **Embedded default.** SmolLM2-135M (4-bit-quantised weights, dequantised) with the protocol
 # of `tab_llm_compression_main` (the same calibration and GFWSVD sweep, shared through the caches). At
 # each ratio GFWSVD's allocation as the paper ran it (ASVD's sensitivity scores, GFWSVD's own sweep) gives
 # the per-layer ranks, and **the same ranks** are passed to all four rows, so only the weighting differs:
 # FWSVD (the diagonal Fisher), `gfwsvd_diag` (`diag(A)`, `diag(B)`), `gfwsvd_offdiag` (the diagonals of
 # `A`, `B` replaced by their mean: an off-diagonal part alone has no Cholesky factor) and `gfwsvd`.
 #
-# **The pitfall (issue 21, item 6).** A public reimplementation (lems-svd/lems,
+# **The pitfall.** A public reimplementation (lems-svd/lems,
 # `compression/factorization/gfwsvd.py`) computes the transform as `L_B W L_A` (in its names `L_A W L_B`,
 # its `A` being the output-side factor) where Eq. (7) has `L_B^T W L_A`, and reports that GFWSVD
 # "collapses" on Llama-3-8B. Its rank-`r` fit is optimal in the metric `L_B^T L_B` instead of
@@ -37,7 +41,7 @@
 # row at each ratio (lower is better, best in bold). Tab. `tab_gfwsvd_transposed`: the correct and the
 # transposed transform. The verdicts at the end are computed from these numbers.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make tab_ablation_diag`); the paper-scale value in the comment
 # (`PROFILE=paper`). CPU cost of the default: see notebooks/params/tab_ablation_diag.default.yaml.
 output_dir = "figures"  # paper: "figures/paper"
@@ -61,7 +65,7 @@ rows_order = ["fwsvd", "gfwsvd_diag", "gfwsvd_offdiag", "gfwsvd"]  # paper: same
 ranks_from = ["gfwsvd", "sensitivity"]  # the allocation whose ranks every row uses; paper: same
 transposed_ratios = [0.1, 0.2]  # the pitfall's ratios; paper: same
 
-# %%
+# %% tags=["hide-input"]
 import time
 
 import pandas as pd
@@ -73,7 +77,8 @@ from fisherkron.experiments import figures
 from fisherkron.experiments import llm_compression as lc
 from fisherkron.experiments import llm_summary as ls
 
-transformers.logging.set_verbosity_error()
+transformers.logging.set_verbosity_error()  # no load report
+transformers.utils.logging.disable_progress_bar()
 started = time.perf_counter()
 NB = "notebooks/tab_ablation_diag.py"
 params = {k_: v for k_, v in dict(globals()).items()
@@ -103,7 +108,10 @@ for part, target, m in tqdm(cases, desc="cases"):
 df = pd.DataFrame(rows)
 abl, tr = df[df.part == "ablation"], df[df.part == "transposed"]
 
-# %%
+# %% [markdown]
+# ## Tab. ablation_diag_results and the transposed transform
+
+# %% tags=["hide-input"]
 table = ls.ablation_table(abl, ratios, rows_order, dense=dense)
 at = ", ".join(f"{100 * t:g} %" for t in ratios)
 caption = (f"{model_name} (4-bit-quantised weights, dequantised): perplexity at {at} "
@@ -125,7 +133,7 @@ display(Markdown(ttable.to_markdown(index=False)))
 # %% [markdown]
 # ## Verdicts (computed from the numbers above)
 
-# %%
+# %% tags=["hide-input"]
 lines, verdict = [], {}
 order = ls.ablation_order(abl, ratios, tuple(rows_order))
 verdict["ordering"] = order
@@ -161,4 +169,4 @@ display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "tab_ablation_diag_summary",
                          figures.provenance("tab_ablation_diag_summary", params, started=started, notebook=NB,
                                             extra={"verdict": verdict, "lines": lines,
-                                                   "rows": df.to_dict("records")}))
+                                                   "rows": df.to_dict("records")}));
