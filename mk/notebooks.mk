@@ -83,7 +83,7 @@ $(NB_PARAMS)/%.yaml:
 	@exit 1
 
 # -- the notebooks ---------------------------------------------------------------
-$(eval $(call notebook,kronecker_fisher_from_scratch,$(call fig,kronecker_fisher_from_scratch fig_connection2fwsvd),$(HF_SRC) $(EXP)/teaching.py))
+$(eval $(call notebook,kronecker_fisher_from_scratch,$(call fig,kronecker_fisher_from_scratch kronecker_fisher_from_scratch_mff fig_connection2fwsvd),$(HF_SRC) $(EXP)/teaching.py))
 kronecker_fisher_from_scratch: ## teaching notebook: Kronecker-factored Fisher from scratch (Secs. 3-5, App. E) + Fig. connection2fwsvd
 
 $(eval $(call notebook,fig_synthetic_correlations,$(call fig,fig_corr fig_diag_full_synth) $(call tab,tab_diag_full_synth tab_synthetic_gaps) $(FIGDIR)/fig_synthetic_correlations_summary.provenance.json,$(EXP)/synthetic.py))
