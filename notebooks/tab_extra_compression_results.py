@@ -19,8 +19,11 @@
 # 7.75, PTB 25.95 vs 26.11) and at 40 % (10.29 vs 10.56, 38.56 vs 41.70), with equal or better ARC-E,
 # ARC-C, PIQA and HellaSwag. The question a user asks beside it: does a Fisher-weighted start still matter
 # once the model is trained after compression?
+
+# %% [markdown]
+# ## Experiment
 #
-# **Experiment (embedded default).** SmolLM2-135M with the decoder study's protocol
+# **Embedded default.** SmolLM2-135M with the decoder study's protocol
 # (`tab_llm_compression_main`: the same calibration entry, held-out C4 batches, evaluation texts and
 # zero-shot example limits). For SVD, SVD-LLM and GFWSVD, at each whole-model ratio, three rows:
 # * **(a)** the method's weighted SVD at its allocated per-layer ranks (`allocation`, the Fisher-predicted
@@ -51,7 +54,7 @@
 # (learned truncation's perplexity term and soft ratio, LoRA's loss) per method, the line the mean over
 # seeds and the band their range. The verdicts at the end are computed from these numbers.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make tab_extra_compression_results`); the paper-scale value in the comment
 # (`PROFILE=paper`). CPU cost of the default: see notebooks/params/tab_extra_compression_results.default.yaml.
 output_dir = "figures"  # paper: "figures/paper"
@@ -103,7 +106,7 @@ collapse_multiple = 10.0  # a row "collapsed" when a perplexity exceeds this mul
 lead_tol = 0.01  # nats: a lead change smaller than this (or than the seed range) is no change
 curve_smooth = 5  # steps of the running mean of the training curves
 
-# %%
+# %% tags=["hide-input"]
 import time
 
 import matplotlib.pyplot as plt
@@ -117,7 +120,8 @@ from fisherkron.experiments import figures
 from fisherkron.experiments import llm_compression as lc
 from fisherkron.experiments import llm_summary as ls
 
-transformers.logging.set_verbosity_error()
+transformers.logging.set_verbosity_error()  # no load report
+transformers.utils.logging.disable_progress_bar()
 started = time.perf_counter()
 NB = "notebooks/tab_extra_compression_results.py"
 params = {k_: v for k_, v in dict(globals()).items()
@@ -172,7 +176,10 @@ shown = sorted(set(ratios) | ({fallback_ratio} if fallback else set()))
 agg = xc.aggregate(df)
 cols = [c for c in (*xc.COLUMNS, "acc4") if c in df]
 
-# %%
+# %% [markdown]
+# ## Tab. extra-compression-results
+
+# %% tags=["hide-input"]
 table = xc.results_table(agg, shown, dense, allocation, columns=cols)
 limit_txt = "all examples" if zero_shot_limit is None else f"the first {zero_shot_limit} examples of each task"
 start = "(a)'s ranks" if trunc_init == "allocated" else "the uniform allocation"
@@ -192,7 +199,7 @@ display(Markdown(table.to_markdown(index=False)))
 # %% [markdown]
 # ## Training curves
 
-# %%
+# %% tags=["hide-input"]
 curves = xc.training_curves(records)
 colors = dict(zip(xc.METHODS, plt.cm.tab10.colors))
 panels = [("truncation", "lm", "learned truncation: LM term" + (" (perplexity)" if trunc_lm_loss == "perplexity"
@@ -220,12 +227,12 @@ for j, target in enumerate(shown):
 fig.suptitle(f"{model_name}: training curves (running mean over {curve_smooth} steps; band: range over "
              f"{len(seeds)} seeds)")
 fig.tight_layout()
-figures.save_figure(fig, "fig_extra_compression_training", output_dir, params, started=started, notebook=NB)
+figures.save_figure(fig, "fig_extra_compression_training", output_dir, params, started=started, notebook=NB);
 
 # %% [markdown]
 # ## Verdicts (computed from the numbers above)
 
-# %%
+# %% tags=["hide-input"]
 lines, verdict = [], {}
 texts = [c for c in ("ppl_wiki", "ppl_ptb") if c in df]
 name = {"ppl_wiki": "Wikipedia", "ppl_ptb": "PTB"}
@@ -303,4 +310,4 @@ display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "tab_extra_compression_results_summary",
                          figures.provenance("tab_extra_compression_results_summary", params, started=started,
                                             notebook=NB, extra={"verdict": verdict, "lines": lines,
-                                                                "rows": df.to_dict("records")}))
+                                                                "rows": df.to_dict("records")}));
