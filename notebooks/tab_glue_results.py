@@ -14,15 +14,16 @@
 # %% [markdown]
 # # Compressing a fine-tuned encoder (paper Sec. 6.2: Tab. glue_results, Tab. glue_extended, Fig. bert_glue_avg)
 #
-# **Claim (paper Sec. 6.2).** BERT-base is fine-tuned on each GLUE task, then its fully connected
-# layers are factorised uniformly at ranks 600 ... 1 by SVD, ASVD, FWSVD and GFWSVD. "On most of
-# the GLUE tasks and considered compression ranks, our GFWSVD approach consistently outperforms
-# both FWSVD and SVD, with particularly strong gains at lower ranks. While ASVD exhibits relatively
-# poor performance on several tasks (QQP, QNLI), it occasionally surpasses GFWSVD -- notably on
-# SST2 under aggressive compression." Macro average at rank 1: GFWSVD 0.51, FWSVD 0.38, SVD 0.37,
-# ASVD 0.36.
+# **Claim (paper Sec. 6.2).** With BERT-base fine-tuned per GLUE task and its fully connected layers
+# factorised uniformly at ranks 600 ... 1, "on most of the GLUE tasks and considered compression ranks, our
+# GFWSVD approach consistently outperforms both FWSVD and SVD, with particularly strong gains at lower ranks";
+# ASVD does poorly on several tasks (QQP, QNLI) but "occasionally surpasses GFWSVD -- notably on SST2 under
+# aggressive compression". Macro average at rank 1: GFWSVD 0.51, FWSVD 0.38, SVD 0.37, ASVD 0.36.
+
+# %% [markdown]
+# ## Experiment
 #
-# **Experiment (embedded default).** The encoder is all-MiniLM-L6-v2 (6 blocks, FFN 384 x 1536, the
+# **Embedded default.** The encoder is all-MiniLM-L6-v2 (6 blocks, FFN 384 x 1536, the
 # BERT role), fine-tuned per task and seed, then its 12 FFN layers (`intermediate.dense`,
 # `output.dense`) are compressed at ranks 300 ... 1, the paper's ranks scaled to MiniLM's width
 # (600/768 = 300/384). Tasks from the data that ship offline: SST-2 (trained on Rotten Tomatoes
@@ -44,7 +45,7 @@
 # the majority-class floor as reference lines; right: GFWSVD's lead over each method. The verdicts at
 # the end are computed from these numbers.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make tab_glue_results`); the paper-scale value in the comment
 # (`PROFILE=paper`, notebooks/params/tab_glue_results.paper.yaml). CPU cost of the default: see that file.
 output_dir = "figures"  # paper: "figures/paper"
@@ -72,7 +73,7 @@ n_low = 3  # verdicts: the lowest ranks ...
 n_high = 2  # ... against the highest ranks (does the lead grow?); paper: same
 aggressive = 3  # verdicts: ASVD against GFWSVD on SST-2 at the lowest ranks; paper: same
 
-# %%
+# %% tags=["hide-input"]
 import time
 
 import matplotlib.pyplot as plt
@@ -119,10 +120,10 @@ display(search)
 # %% [markdown]
 # ## Fine-tune, calibrate, compress, score
 # Per (task, seed): the dense score, then `k` gradients at the fine-tuned weights and, for every
-# method and rank, a compressed copy and its score. Every case is written to
-# `data/cache/studies/` as soon as it exists, so the notebook can be stopped and rerun.
+# method and rank, a compressed copy and its score (one log line per task and seed, collapsed). Every
+# case is written to `data/cache/studies/` as soon as it exists, so the notebook can be stopped and rerun.
 
-# %%
+# %% tags=["hide-output"]
 rows = []
 for t in tasks:
     for s in seeds:
@@ -135,7 +136,10 @@ for t in tasks:
               + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
 df = gs.frame(rows)
 
-# %%
+# %% [markdown]
+# ## Tab. glue_results and Tab. glue_extended
+
+# %% tags=["hide-input"]
 setup = {}
 for t in tasks:
     sp, dense = study.splits(t), df[(df.task == t) & (df.method == "dense")]
@@ -160,7 +164,10 @@ figures.save_table(extended, "tab_glue_extended", output_dir, params, started=st
 display(Markdown(results.to_markdown(index=False)))
 display(Markdown(extended.to_markdown(index=False)))
 
-# %%
+# %% [markdown]
+# ## Fig. bert_glue_avg: macro average against rank, and GFWSVD's lead
+
+# %% tags=["hide-input"]
 m = gs.macro(df)
 ratio = df[df.method != "dense"].groupby("rank")["ratio"].mean()
 colors = {"svd": "tab:gray", "asvd": "tab:orange", "fwsvd": "tab:green", "gfwsvd": "tab:blue",
@@ -197,7 +204,7 @@ a2.set_ylabel("lead in macro average (seed-paired, ± se)")
 a2.set_title("GFWSVD's lead over each method", fontsize="medium")
 a2.legend(fontsize="small")
 fig.tight_layout()
-figures.save_figure(fig, "fig_bert_glue_avg", output_dir, params, started=started, notebook=NB)
+figures.save_figure(fig, "fig_bert_glue_avg", output_dir, params, started=started, notebook=NB);
 
 # %% [markdown]
 # ## Verdicts (computed from the numbers above)
@@ -209,7 +216,7 @@ figures.save_figure(fig, "fig_bert_glue_avg", output_dir, params, started=starte
 #   margin over the majority class while another method keeps at least half; and it beats GFWSVD on
 #   SST-2 at one of the `aggressive` lowest ranks by more than one standard error.
 
-# %%
+# %% tags=["hide-input"]
 v = gs.verdicts(df, ranks, n_low=n_low, n_high=n_high, aggressive=aggressive)
 with_llm = gs.verdicts(df, ranks, rivals=("svd", "asvd", "fwsvd", "svd_llm"), n_low=n_low, n_high=n_high,
                        aggressive=aggressive)["best"]
@@ -234,9 +241,8 @@ if unlearned and len(learned) >= 1:
 lines.append(f"* Uncompressed macro average {dense_mu:.3f} ± {dense_sd:.3f}; majority-class floor {floor:.3f}; "
              f"{len(seeds)} seeds; {model_name}; wall time {(time.perf_counter() - started) / 60:.1f} min.")
 display(Markdown("\n".join(lines)))
-print("\n".join(lines))
 figures.write_provenance(output_dir, "tab_glue_results_summary",
                          figures.provenance("tab_glue_results_summary", params, started=started, notebook=NB,
                                             extra={"verdicts": v, "best_with_svd_llm": with_llm, "lines": lines,
                                                    "learned_tasks": learned, "verdicts_learned": v_learned,
-                                                   **extra, "runs": rows}))
+                                                   **extra, "runs": rows}));
