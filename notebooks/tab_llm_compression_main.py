@@ -19,8 +19,11 @@
 # activation-aware ASVD"; GFWSVD "outperforms Basis Sharing on Llama 3.1 8B at all compression levels".
 # The tables report WikiText-2 and PTB perplexity and six zero-shot accuracies (± standard error) at
 # whole-model ratios 20 / 30 / 40 / 50 %.
+
+# %% [markdown]
+# ## Experiment
 #
-# **Experiment (embedded default).** SmolLM2-135M (the Llama role; its weights were 4-bit quantised
+# **Embedded default.** SmolLM2-135M (the Llama role; its weights were 4-bit quantised
 # before we dequantised them; its embeddings are 21 % of its parameters, 4 % in Llama-2-7B) compressed
 # by FWSVD, ASVD, SVD-LLM, Basis Sharing and GFWSVD, and KFAC-SVD (not in the paper), with one protocol
 # for all: one calibration set (C4 documents, `k` batches, every statistic collected once), ASVD's
@@ -44,7 +47,7 @@
 # The sweep-noise table says whether the sweep's smallest loss changes stand above its noise. The
 # verdicts at the end are computed from these numbers.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make tab_llm_compression_main`); the paper-scale value in the comment
 # (`PROFILE=paper`). CPU cost of the default: see notebooks/params/tab_llm_compression_main.default.yaml.
 output_dir = "figures"  # paper: "figures/paper"
@@ -72,7 +75,7 @@ noise_methods = ["gfwsvd", "asvd"]  # the sweeps whose noise is measured; paper:
 noise_layers = 8  # least sensitive layers re-measured for the sweep-noise check; paper: 8
 collapse_multiple = 10.0  # a row "collapsed" when a perplexity exceeds this multiple of the dense model's
 
-# %%
+# %% tags=["hide-input"]
 import time
 
 import matplotlib.pyplot as plt
@@ -85,7 +88,8 @@ from fisherkron.experiments import figures
 from fisherkron.experiments import llm_compression as lc
 from fisherkron.experiments import llm_summary as ls
 
-transformers.logging.set_verbosity_error()
+transformers.logging.set_verbosity_error()  # no load report
+transformers.utils.logging.disable_progress_bar()
 started = time.perf_counter()
 NB = "notebooks/tab_llm_compression_main.py"
 params = {k_: v for k_, v in dict(globals()).items()
@@ -146,7 +150,7 @@ df = pd.DataFrame(rows)
 sel = ls.selection_table(selections)
 display(sel)
 
-# %%
+# %% tags=["hide-input"]
 table = ls.main_table(df, ratios, dense)
 caption = (f"{model_name} (4-bit-quantised weights, dequantised) compressed at "
            f"{', '.join(f'{100 * t:g}' for t in ratios)} %: perplexity of the first "
@@ -163,7 +167,10 @@ ls.save(table, "tab_llm_compression_main", output_dir, params, caption=caption, 
         notebook=NB, started=started)
 display(Markdown(table.to_markdown(index=False)))
 
-# %%
+# %% [markdown]
+# ## Fig. llm_compression: accuracy and perplexities against the achieved ratio
+
+# %% tags=["hide-input"]
 fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
 colors = dict(zip(["fwsvd", "asvd", "svd_llm", "basis_sharing", "gfwsvd", "kfac_svd"], plt.cm.tab10.colors))
 for block, ls_ in (("paper", "-"), ("best", "--")):
@@ -190,12 +197,12 @@ for ax in axes[1:]:
 axes[0].legend(fontsize="x-small", ncol=2)
 fig.suptitle(f"{model_name}: solid = as the paper ran them, dashed = best allocation here ({limit_txt})")
 fig.tight_layout()
-figures.save_figure(fig, "fig_llm_compression", output_dir, params, started=started, notebook=NB)
+figures.save_figure(fig, "fig_llm_compression", output_dir, params, started=started, notebook=NB);
 
 # %% [markdown]
 # ## Verdicts (computed from the numbers above)
 
-# %%
+# %% tags=["hide-input"]
 lines, verdict = [], {}
 others = [m for m in methods if m != "gfwsvd"]
 for block in ("paper", "best"):
@@ -253,4 +260,4 @@ display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "tab_llm_compression_main_summary",
                          figures.provenance("tab_llm_compression_main_summary", params, started=started, notebook=NB,
                                             extra={"verdict": verdict, "lines": lines,
-                                                   "rows": df.drop(columns=["label"]).to_dict("records")}))
+                                                   "rows": df.drop(columns=["label"]).to_dict("records")}));
