@@ -19,8 +19,11 @@
 # of diagonal Fisher information grows, and GFWSVD increasingly outperforms both FWSVD and ASVD"
 # (Sec. 6.3). The tables report WikiText-2 and PTB perplexity and the 5-shot MMLU average and its four
 # categories (± standard error) at 5 / 10 / 15 / 20 %.
+
+# %% [markdown]
+# ## Experiment
 #
-# **Experiment (embedded default).** SmolLM2-135M (4-bit-quantised weights, dequantised) with the
+# **Embedded default.** SmolLM2-135M (4-bit-quantised weights, dequantised) with the
 # protocol of `tab_llm_compression_main` (the same calibration, sweeps and selection, shared through
 # their caches): FWSVD, ASVD, SVD-LLM and GFWSVD as the paper ran them, each method with its best
 # allocation here (chosen on held-out C4 batches, never on the evaluation data), KFAC-SVD (not in the
@@ -33,7 +36,7 @@
 # standard errors, the dense model and chance as reference lines. SmolLM2-135M answers MMLU near chance
 # even uncompressed; the verdicts say where MMLU cannot tell a method from chance.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make tab_llm_compression_mmlu`); the paper-scale value in the comment
 # (`PROFILE=paper`). CPU cost of the default: see notebooks/params/tab_llm_compression_mmlu.default.yaml.
 output_dir = "figures"  # paper: "figures/paper"
@@ -61,7 +64,7 @@ extra_methods = ["kfac_svd"]  # not in the paper; paper: same
 chance = 0.25  # four choices
 collapse_multiple = 10.0
 
-# %%
+# %% tags=["hide-input"]
 import time
 
 import matplotlib.pyplot as plt
@@ -73,7 +76,8 @@ from fisherkron.experiments import figures
 from fisherkron.experiments import llm_compression as lc
 from fisherkron.experiments import llm_summary as ls
 
-transformers.logging.set_verbosity_error()
+transformers.logging.set_verbosity_error()  # no load report
+transformers.utils.logging.disable_progress_bar()
 started = time.perf_counter()
 NB = "notebooks/tab_llm_compression_mmlu.py"
 params = {k_: v for k_, v in dict(globals()).items()
@@ -112,7 +116,10 @@ ls.save(table, "tab_llm_compression_mmlu", output_dir, params, caption=caption, 
         notebook=NB, started=started)
 display(Markdown(table.to_markdown(index=False)))
 
-# %%
+# %% [markdown]
+# ## Fig. mmlu_avg: MMLU average against the achieved ratio
+
+# %% tags=["hide-input"]
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
 colors = dict(zip(["fwsvd", "asvd", "svd_llm", "basis_sharing", "gfwsvd", "kfac_svd"], plt.cm.tab10.colors))
 for ax, block in zip(axes, ("paper", "best")):
@@ -130,12 +137,12 @@ axes[0].set_ylabel("5-shot MMLU average (acc, ± 2 se)")
 axes[0].legend(fontsize="x-small")
 fig.suptitle(f"{model_name}: MMLU against compression ({limit_txt})")
 fig.tight_layout()
-figures.save_figure(fig, "fig_mmlu_avg", output_dir, params, started=started, notebook=NB)
+figures.save_figure(fig, "fig_mmlu_avg", output_dir, params, started=started, notebook=NB);
 
 # %% [markdown]
 # ## Verdicts (computed from the numbers above)
 
-# %%
+# %% tags=["hide-input"]
 lines, verdict = [], {}
 others = [m for m in methods if m != "gfwsvd"]
 for block in ("paper", "best"):
@@ -186,4 +193,4 @@ display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "tab_llm_compression_mmlu_summary",
                          figures.provenance("tab_llm_compression_mmlu_summary", params, started=started, notebook=NB,
                                             extra={"verdict": verdict, "lines": lines,
-                                                   "rows": df.drop(columns=["label"]).to_dict("records")}))
+                                                   "rows": df.drop(columns=["label"]).to_dict("records")}));
