@@ -69,6 +69,7 @@ from ._version import __version__
 
 _HF = ("load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
        "load_task", "ptb", "wiki_text", "c4_documents", "lm_batches", "classification_batches",
+       "load_documents", "check_enough_tokens",
        "collect_calibration", "select_layers", "CalibrationStats", "precompute_kronecker",
        "compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport",
        "save_compressed", "load_compressed",

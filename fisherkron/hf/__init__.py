@@ -5,6 +5,7 @@ module             what it holds
 =================  ======================================================================
 ``registry``       ``load_model``: embedded MiniLM / SmolLM2, local folders, paper-scale hub names
 ``data``           calibration and evaluation data that ship inside packages (offline)
+``user_data``      ``load_documents``: the user's own calibration text (.txt, .jsonl, .json, .csv, .parquet, saved folder)
 ``calibration``    per-batch gradients and the statistics every method reads, cached on disk
 ``distributed``    under torchrun: the process group, and MFF of all layers spread over the ranks
 ``budget``         ``count_params``, ``plan_ranks``: the parameter budget, uniform ranks for a ratio
@@ -38,10 +39,12 @@ from .recovery import RecoveryReport, assert_disjoint, check_disjoint, evaluatio
 from .saving import load_compressed, save_compressed
 from .surgery import CompressionReport, LayerReport, compress
 from .truncation import TruncationReport, learn_truncation, train_truncation
+from .user_data import check_enough_tokens, load_documents
 
 __all__ = [
     "load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
     "load_task", "ptb", "wiki_text", "c4_documents", "lm_batches", "classification_batches",
+    "load_documents", "check_enough_tokens",
     "collect_calibration", "select_layers", "CalibrationStats", "precompute_kronecker",
     "compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport",
     "save_compressed", "load_compressed",
