@@ -1,4 +1,4 @@
-"""The calibration cache on real disks, shared machines and interrupted runs (issue 20).
+"""The calibration cache on real disks, shared machines and interrupted runs.
 
 One class of defect a section, each tested through its mechanism on the tiny models:
 

@@ -14,7 +14,9 @@ A rank-``r`` factorisation of an ``n x m`` layer keeps ``r (n + m)`` of its ``n 
   tied to the input embeddings) is left out of the plan: factorising it would untie the two
   and add ``r (n + m)`` parameters instead of removing any;
 * :func:`check_factor_memory`: a layer whose factors cannot fit in memory is refused (or left
-  out) before any calibration.
+  out) before any calibration;
+* :func:`calibration_needs`: what a calibration will take (disk, memory, forward + backward
+  passes), with or without a bound on its disk, from the layers' shapes alone (a dry run).
 
 Both :mod:`fisherkron.hf.allocation` (the ``"uniform"`` strategy and every strategy's budget)
 and :mod:`fisherkron.hf.surgery` read them from here, and so does the command line's plan.
@@ -36,7 +38,7 @@ import logging
 import math
 import numbers
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from torch import nn
 
@@ -46,7 +48,7 @@ from ..core.lowrank import lowrank_params, rank_for_ratio
 from ..core.methods import METHODS
 
 __all__ = ["count_params", "plan_ranks", "check_ratio", "params_after", "shared_weights", "drop_shared",
-           "factor_bytes", "available_memory", "check_factor_memory", "FACTOR_COPIES"]
+           "factor_bytes", "available_memory", "check_factor_memory", "FACTOR_COPIES", "calibration_needs"]
 
 log = logging.getLogger(__name__)
 
@@ -310,3 +312,94 @@ def check_factor_memory(model: nn.Module, names: list[str], methods, *, limit: i
         raise FisherkronError(f"the calibration keeps the factor sums of all {len(kept)} selected layers at once, "
                               f"{_gb(total)} in all, more than {_gb(limit)}, {where}; select fewer layers")
     return kept
+
+
+# ----------------------------------------------------------------------------- what a calibration will take
+
+def calibration_needs(model, layers=None, methods=("gfwsvd",), *, k: int, batch_size: int, seq_len: int,
+                      grad_dtype: str = "float32", granularity: str = "batch", max_disk=None,
+                      params: int | None = None, param_bytes: int | None = None) -> dict:
+    r"""Disk, memory and passes of :func:`fisherkron.collect_calibration` for ``methods``, before running it.
+
+    Eq. (8) keeps ``k`` gradients per layer: ``k x sum(n m) x bytes`` on disk
+    (:mod:`fisherkron.hf.calibration.disk`). Under ``max_disk`` the layers are collected in
+    groups (:func:`~fisherkron.hf.calibration.disk.plan_groups`, the plan the collection itself
+    makes): ``k x groups`` forward + backward passes, one group's gradients on disk at once.
+
+    Args:
+        model: an ``nn.Module`` (``layers`` selects its linear layers as the calibration does), or
+            ``{name: (n, m)}`` shapes (out x in) with no model loaded; then ``params`` and
+            ``param_bytes`` give the model's size.
+        methods: compression methods (their statistics are what is collected).
+        k, batch_size, seq_len: the calibration batches (``k`` batches of ``batch_size`` sequences
+            of ``seq_len`` tokens, no padding).
+        grad_dtype, granularity: as for :func:`fisherkron.collect_calibration`.
+        max_disk: the bound, in bytes or a string such as ``"200GB"``.
+
+    Returns:
+        A dict of numbers: ``gradient_bytes`` (every layer's gradient files: what an unbounded
+        entry keeps), ``statistics_bytes``, ``factor_bytes`` (MFF's ``A``, ``B`` in float64, kept
+        beside the gradients once compression ran, or instead of them under a bound), ``disk_bytes``
+        (the most an unbounded entry holds), ``min_max_disk`` (the smallest bound that works: the
+        statistics and factors of all layers and the largest layer's gradients), and under
+        ``max_disk``: ``groups``, ``gradient_bytes_bounded`` (the largest group's gradients, alive at
+        once), ``disk_bytes_bounded`` (the peak); ``passes`` (forward + backward: ``k x groups``);
+        ``model_bytes`` and ``memory_bytes``, a lower bound of the memory: the model, one gradient of
+        each weight collected at once, the inputs those layers keep for backward, the running sums,
+        or while MFF runs :data:`FACTOR_COPIES` float64 copies of the largest layer's factors.
+
+    >>> shapes = {f"{i}.{p}": (4096, 4096) for i in range(32) for p in "qkvo"}
+    >>> shapes.update({f"{i}.{p}": (11008, 4096) for i in range(32) for p in ("gate", "up")})
+    >>> shapes.update({f"{i}.down": (4096, 11008) for i in range(32)})
+    >>> need = calibration_needs(shapes, k=75, batch_size=1, seq_len=4096, grad_dtype="bfloat16",
+    ...                          max_disk="300GB", params=6_738_415_616, param_bytes=2)
+    >>> round(need["gradient_bytes"] / 1e9), need["groups"], need["passes"]  # GB of an unbounded entry
+    (971, 5, 375)
+    """
+    from .calibration.disk import layer_disk, parse_size, plan_groups
+    from .calibration.entry import METHOD_STATS, STATS
+
+    methods = [methods] if isinstance(methods, str) else list(methods)
+    unknown = [m for m in methods if m not in METHOD_STATS]
+    if unknown:
+        raise FisherkronError(f"method {unknown[0]!r} is unknown; use one of {', '.join(METHOD_STATS)}")
+    stats = tuple(s for s in STATS if any(s in METHOD_STATS[m] for m in methods))
+    if isinstance(model, Mapping):
+        shapes = {str(n): (int(s[0]), int(s[1])) for n, s in model.items()}
+        model_bytes = None if params is None or param_bytes is None else params * param_bytes
+    else:
+        from .calibration import select_layers
+
+        mods = dict(model.named_modules())
+        shapes = {n: (mods[n].out_features, mods[n].in_features) for n in select_layers(model, layers)}
+        params = count_params(model) if params is None else params
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        param_bytes = param_bytes or next(model.parameters()).element_size()
+    param_bytes = param_bytes or 4
+    per_layer = k * batch_size if granularity == "sequence" else k
+    tokens = k * batch_size * seq_len
+    sizes = {n: layer_disk(n_, m_, k=per_layer, stats=stats, grad_dtype=grad_dtype, granularity=granularity,
+                           tokens=tokens) for n, (n_, m_) in shapes.items()}
+    whole = plan_groups(sizes, None)
+    bound = None if max_disk is None else parse_size(max_disk)
+    plan = whole if bound is None else plan_groups(sizes, bound, option="max_disk")
+    groups = plan.groups if bound is not None and len(plan.groups) > 1 else whole.groups
+
+    def pass_memory(group):  # weight gradients, the inputs kept for backward, the running sums
+        return sum(shapes[n][0] * shapes[n][1] * param_bytes + batch_size * seq_len * shapes[n][1] * param_bytes
+                   + sizes[n].sums for n in group)
+
+    mff = max((factor_bytes(*shapes[n], methods) for n in shapes), default=0)
+    out = {"layers": len(shapes), "k": k, "gradients_per_layer": per_layer, "tokens": tokens,
+           "grad_dtype": grad_dtype, "params": params, "model_bytes": model_bytes,
+           "gradient_bytes": whole.unbounded,
+           "statistics_bytes": sum(s.statistics for s in sizes.values()),
+           "factor_bytes": sum(s.factors for s in sizes.values()),
+           "disk_bytes": whole.unbounded_peak,
+           "min_max_disk": whole.minimum,
+           "max_disk": bound, "groups": len(groups),
+           "gradient_bytes_bounded": max(sum(sizes[n].gradients for n in g) for g in groups),
+           "disk_bytes_bounded": plan.peak if len(groups) > 1 else whole.unbounded_peak,
+           "passes": k * len(groups),
+           "memory_bytes": (model_bytes or 0) + max(max(pass_memory(g) for g in groups), mff)}
+    return out

@@ -15,7 +15,9 @@ calibration batches, one pass of forward + backward per batch records
 With ``grad_dtype`` the gradients are stored in 16 bits; with ``granularity="sequence"``
 every sequence gives one gradient, with ``"token"`` every token's rank-one ``delta_t x_t^T``
 (only the inputs ``X`` and output gradients ``D`` are stored). Tokens masked out by
-``attention_mask`` are left out of the activation statistics.
+``attention_mask`` are left out of the activation statistics. With ``max_disk`` the
+gradients never take more than a bound: the layers are collected in groups and each
+group's gradients are replaced by MFF's factors (:mod:`.bounded`).
 
 One concern a module, read in this order:
 
@@ -29,14 +31,17 @@ module          what it holds
 ``folders``     the cache root: owner markers, abandoned folders, disk space, read-only caches
 ``resume``      ``<key>.partial/``: checkpoints, the checksums of the rows they vouch for, Ctrl-C / SIGTERM
 ``ranks``       the same collection over a ``torch.distributed`` process group
+``disk``        the bytes a calibration writes, and the groups of layers a bound on them allows
+``bounded``     collection under ``max_disk``: layers in groups, MFF per group, factors kept, gradients not
 ``collect``     :func:`collect_calibration`: checks, the cache, and the one-process collection
 ==============  ==========================================================================
 """
 from .collect import collect_calibration, default_loss, split_sequences
+from .disk import parse_size
 from .entry import GRANULARITIES, METHOD_STATS, STATS, CalibrationStats
 from .keys import CODE_VERSION, data_fingerprint, layer_fingerprint, loss_key, model_fingerprint, model_record
 from .layers import select_layers
 
 __all__ = ["select_layers", "collect_calibration", "CalibrationStats", "CODE_VERSION", "METHOD_STATS", "GRANULARITIES",
            "STATS", "split_sequences", "default_loss", "model_fingerprint", "model_record", "data_fingerprint",
-           "layer_fingerprint", "loss_key"]
+           "layer_fingerprint", "loss_key", "parse_size"]

@@ -24,10 +24,12 @@ from ...core.conventions import FisherkronError
 from ...core.distributed import resolve_group
 from ...env import data_root, sigterm_as_interrupt, temporary_name
 from .accumulate import accumulate, save_statistics
+from .bounded import RECORD, bounded_config, collect_groups
+from .disk import format_size, layer_disk, parse_size, plan_groups
 from .entry import GRANULARITIES, METHOD_STATS, STATS, CalibrationStats, read_manifest, write_manifest
 from .folders import (OWNER, PARTIAL_SUFFIX, NoSpace, no_space, owned, preallocate, read_only, reclaim,
                       release_entry, seal, writable_root)
-from .keys import calibration_key
+from .keys import calibration_key, config_key
 from .layers import select_layers
 from .ranks import collect_on_ranks
 from .resume import Checkpoint, Rows, deferred_interrupts, drop_foreign_progress, open_rows, plan_resume
@@ -85,7 +87,8 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
                         stats=None, methods=None, loss_fn=None, loss_name: str | None = None,
                         cache: bool = True, cache_dir=None, grad_dtype: str = "float32",
                         granularity: str = "batch", checkpoint_seconds: float = 300.0,
-                        verify_cache: bool = True, progress: bool = False, group=None) -> CalibrationStats:
+                        verify_cache: bool = True, progress: bool = False, group=None, max_disk=None,
+                        mff_options: dict | None = None) -> CalibrationStats:
     r"""Per-batch gradients ``G_i`` and baseline statistics of the selected linear layers.
 
     Eq. (8): ``I_F = (1/k) sum_i vec(G_i) vec(G_i)^T`` with ``G_i = dL_i/dW`` the
@@ -140,6 +143,19 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
             writes (up to the round-off of the sums) and is reused by any world size. An
             interrupted collection resumes with the same world size (each rank from its own
             checkpoint); another world size starts again.
+        max_disk: a bound on the disk the collection takes, in bytes or a string such as
+            ``"20GB"`` (:func:`~.disk.parse_size`): every statistic, MFF's factors and the
+            gradients alive at once stay under it. When all gradients do not fit, the layers
+            are collected in groups (:mod:`fisherkron.hf.calibration.bounded`): per group the
+            ``k`` batches run again (``k x groups`` forward + backward passes), MFF runs on the
+            group's gradients and only its factors are kept. The entry then holds the factors
+            instead of the gradients; compression reads them through
+            :meth:`CalibrationStats.kronecker`, with the same ``mff_options``. A layer whose
+            gradients alone cannot fit is refused in one line. When everything fits, the
+            collection is the usual one; an unbounded entry already cached is reused.
+        mff_options: with ``max_disk``, the options of :func:`fisherkron.mff` the factors are
+            computed with (``device`` says where MFF runs); compression must pass the same
+            (its ``mff_options``). Ignored without ``max_disk``.
 
     Returns:
         :class:`CalibrationStats` backed by files (with ``cache=False`` a private folder
@@ -182,12 +198,18 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     modules = dict(model.named_modules())
     shapes = {n: (modules[n].out_features, modules[n].in_features) for n in names}
 
+    group = resolve_group(group)
+    limit = None if max_disk is None else parse_size(max_disk)
+    plan = _disk_plan(limit, names, shapes, batches, stats, grad_dtype, granularity, group)
     config, key = calibration_key(model, batches, names, k=k, seed=seed, stats=stats, grad_dtype=grad_dtype,
                                   granularity=granularity, loss_fn=loss_fn, loss_name=loss_name, cache=cache)
+    whole = key  # the unbounded entry of the same calibration, reused when a bounded one is asked for
+    if plan is not None:
+        config = bounded_config(config, mff_options)
+        key = config_key(config)
 
     root = Path(cache_dir) if cache_dir is not None else data_root() / "cache" / "calibration"
     final = root / key
-    group = resolve_group(group)
     if group is not None and (grad_dtype != "float32" or granularity == "token"):
         raise FisherkronError("over a process group the gradients are stored per batch in float32; "
                               "grad_dtype and granularity='token' are single-process options for now")
@@ -205,6 +227,12 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
                 release_entry(final)
             return CalibrationStats(final, man["layers"], man["k"], key, man["config"],
                                     tuple(man["config"]["stats"]), from_cache=True)
+        man = read_manifest(root / whole, whole, verify_cache) if plan is not None else None
+        if man is not None and not (root / whole / OWNER).exists():
+            log.info("the unbounded calibration %s is cached already: it is used, and max_disk costs nothing",
+                     root / whole)
+            return CalibrationStats(root / whole, man["layers"], man["k"], whole, man["config"],
+                                    tuple(man["config"]["stats"]), from_cache=True)
         if final.exists():
             try:
                 shutil.rmtree(final)
@@ -214,10 +242,24 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
 
     def write(folder: Path, checkpoint: "Checkpoint | None" = None) -> dict:
         """Collect into ``folder`` and write its manifest; returns the per-layer info."""
-        tokens = _collect(model, batches, names, modules, shapes, stats, loss_fn or default_loss,
-                          folder, progress, grad_dtype=grad_dtype, granularity=granularity, checkpoint=checkpoint)
+        def one(layers, ckpt):
+            return _collect(model, batches, layers, modules, shapes, stats, loss_fn or default_loss, folder,
+                            progress, grad_dtype=grad_dtype, granularity=granularity, checkpoint=ckpt)
+
+        if plan is None:
+            tokens, extra = one(names, checkpoint), None
+        else:
+            tokens = collect_groups(folder, plan, limit, one, key=key, config=config, k=k, shapes=shapes,
+                                    stats=stats, granularity=granularity, grad_dtype=grad_dtype,
+                                    mff_options=mff_options,
+                                    new_checkpoint=None if checkpoint is None else lambda tag: Checkpoint(
+                                        folder, tag, checkpoint_seconds, checkpoint.signals),
+                                    signals=None if checkpoint is None else checkpoint.signals)
+            extra = {"groups": plan.groups, "passes": k * len(plan.groups)}
         try:
-            return write_manifest(folder, key, config, k, names, shapes, tokens, world_size=1)
+            info = write_manifest(folder, key, config, k, names, shapes, tokens, world_size=1, extra=extra)
+            (folder / RECORD).unlink(missing_ok=True)
+            return info
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise no_space(folder, None, grad_dtype, keep=checkpoint is not None) from None
@@ -252,6 +294,25 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
             raise
         seal(partial, final)
     return CalibrationStats(final, layer_info, k, key, config, stats, from_cache=False)
+
+
+def _disk_plan(max_disk: int | None, names, shapes, batches, stats, grad_dtype: str, granularity: str, group):
+    """The groups of a collection under ``max_disk`` bytes (:func:`~.disk.plan_groups`), or ``None`` when it
+    is not bounded or everything fits at once (the usual collection then stays under the bound)."""
+    if max_disk is None:
+        return None
+    if group is not None:
+        raise FisherkronError("max_disk is a single-process option for now: collect without a process group, or "
+                              "without max_disk")
+    T = _token_count(batches) if granularity == "token" and "grads" in stats else None
+    sizes = {n: layer_disk(*shapes[n], k=len(batches), stats=stats, grad_dtype=grad_dtype, granularity=granularity,
+                           tokens=T) for n in names}
+    plan = plan_groups(sizes, max_disk)
+    if len(plan.groups) == 1:
+        log.info("the calibration fits under max_disk=%s (%s at most): collected whole", format_size(max_disk),
+                 format_size(plan.peak))
+        return None
+    return plan
 
 
 def _token_count(batches) -> int:

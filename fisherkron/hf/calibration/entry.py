@@ -22,7 +22,7 @@ from ...core.conventions import FisherkronError
 from ...core.distributed import all_or_none, all_reduce_, broadcast_int, rank_of, resolve_group, world_of
 from ...core.kfac import KFACFactors
 from ...core.methods import METHODS
-from ...env import atomic_write, file_checksum, remove_stale_temporaries
+from ...env import TMP_PREFIX, atomic_write, file_checksum, remove_stale_temporaries
 from .keys import layer_fingerprint, model_difference, model_fingerprint, tensor_digest
 
 __all__ = ["CalibrationStats", "STATS", "GRANULARITIES", "METHOD_STATS", "read_manifest", "write_manifest"]
@@ -70,10 +70,22 @@ class CalibrationStats:
             raise FisherkronError(f"statistic {stat!r} was not collected; pass stats including it "
                                   f"to collect_calibration")
 
+    @property
+    def keeps_gradients(self) -> bool:
+        """Whether the entry holds its gradients; one collected under ``max_disk`` holds MFF's factors instead."""
+        return not (isinstance(self.config, dict) and self.config.get("bounded"))
+
+    def _no_gradients(self, what: str) -> FisherkronError:
+        return FisherkronError(f"the calibration in {self.dir} was collected under a disk bound (max_disk): it keeps "
+                               f"MFF's factors of its layers, not their gradients, so {what}; collect again "
+                               f"without max_disk to keep the gradients")
+
     def grads_path(self, name: str) -> Path:
         """``.npy`` file of the ``(k, n, m)`` per-batch gradients ``G_i`` (float32, or the ``grad_dtype``
         encoding: read it through :meth:`gradients`; absent for ``granularity="token"``)."""
         self._need("grads")
+        if not self.keeps_gradients:
+            raise self._no_gradients(f"layer {name} has no gradient file")
         return self._file(name, "grads")
 
     @property
@@ -98,6 +110,8 @@ class CalibrationStats:
         from ...core.operators import StoredGradients, TokenFisher
 
         self._need("grads")
+        if not self.keeps_gradients:
+            raise self._no_gradients(f"layer {name} has no gradients to read")
         if self.granularity == "token":
             return TokenFisher(self._load(name, "X"), self._load(name, "D"), name=name)
         scales = tuple(float(x) for x in self._load(name, "grad_scales")) if self.grad_dtype == "float16" else None
@@ -183,26 +197,46 @@ class CalibrationStats:
         group calls this; rank ``p`` reads the gradients of its batches ``i % world == p``,
         every rank returns the same factors, and rank 0 writes them to the same cache file
         as one process would (the group is not part of the key).
+
+        An entry collected under a disk bound (``max_disk``) keeps no gradients: it holds these
+        files for the ``init`` and options it was collected with, and refuses others in one line.
         """
         self._need("grads")
-        start = self.kfac(name) if init == "kfac" and "kfac" in self.stats else None
-        opts = {k: mff_options[k] for k in sorted(mff_options)}
-        tag = hashlib.blake2b(json.dumps([init if start is not None else "identity", opts], default=str)
-                              .encode(), digest_size=8).hexdigest()
-        f = self.dir / "mff" / f"{name}.{tag}.pt"
+        f, tag = self.factors_file(name, init=init, **mff_options)
         group = resolve_group(group)
         if group is not None:
+            start = self.kfac(name) if init == "kfac" and "kfac" in self.stats else None
             return self._kronecker_on_ranks(name, f, tag, start, device, group, mff_options)
         cached = self._read_factors(f, name, tag)
         if cached is not None:
             return cached
+        if not self.keeps_gradients:
+            kept = self.config["bounded"]
+            raise FisherkronError(
+                f"the calibration in {self.dir} was collected under a disk bound (max_disk) and keeps MFF's factors "
+                f"instead of gradients, computed with init={kept.get('init')!r} and options "
+                f"{_options_text(kept.get('mff_options') or {})}; layer {name} has none for init={init!r} and options "
+                f"{_options_text(mff_options)} (or its file fails its checksum): pass the options it was collected "
+                f"with (compress's mff_options), or collect again with these (collect_calibration's mff_options)")
         from ...core.factorization import mff
 
+        start = self.kfac(name) if init == "kfac" and "kfac" in self.stats else None
         res = mff(self.gradients(name), init=start, device=device, name=name, **mff_options)
         out = {"A": res.A.cpu(), "B": res.B.cpu(), "fisher_share": float(res.fisher_share),
                "matvecs": int(res.matvecs), "converged": bool(res.converged)}
         self._keep_factors(f, name, tag, out)
         return out
+
+    def factors_file(self, name: str, *, init: str = "kfac", **mff_options) -> tuple[Path, str]:
+        """``(file, tag)``: where :meth:`kronecker` keeps the factors of ``name`` for ``init`` and ``mff_options``.
+
+        The tag hashes the start actually used (``init="kfac"`` without collected K-FAC factors
+        starts from the identity) and the options (``device`` is not one: it does not change them).
+        """
+        start = "kfac" if init == "kfac" and "kfac" in self.stats else "identity"
+        opts = {k: mff_options[k] for k in sorted(mff_options)}
+        tag = hashlib.blake2b(json.dumps([start, opts], default=str).encode(), digest_size=8).hexdigest()
+        return self.dir / "mff" / f"{name}.{tag}.pt", tag
 
     def _read_factors(self, f: Path, name: str, tag: str) -> dict | None:
         """The cached factors in ``f`` if they pass their checksum, else ``None`` (with a warning)."""
@@ -262,6 +296,11 @@ class CalibrationStats:
 
 
 
+def _options_text(options: dict) -> str:
+    """MFF's options as one line: ``{}`` or ``{'tol': 1e-06}``."""
+    return "{}" if not options else repr({k: options[k] for k in sorted(options)})
+
+
 def _factors_check(key: str, name: str, tag: str, factors: dict) -> str:
     """Checksum of cached MFF factors: their tensors and numbers, the entry's key, the layer and the options' tag."""
     h = hashlib.blake2b(digest_size=20)
@@ -302,14 +341,21 @@ def read_manifest(path: Path, key: str, verify: bool) -> dict | None:
         return None
 
 
-def write_manifest(folder: Path, key: str, config: dict, k: int, names, shapes, tokens, world_size: int) -> dict:
+def write_manifest(folder: Path, key: str, config: dict, k: int, names, shapes, tokens, world_size: int,
+                   extra: dict | None = None) -> dict:
     """Checksum every ``.npy`` of ``folder`` and write ``manifest.json``; returns the per-layer info.
 
     The layers' weights are not hashed again: ``config["model"]`` holds the record of every
-    parameter and buffer (:func:`~fisherkron.hf.calibration.keys.model_record`).
+    parameter and buffer (:func:`~fisherkron.hf.calibration.keys.model_record`). An entry
+    collected under a disk bound (``config["bounded"]``) lists its MFF factors (``mff/*.pt``)
+    too: they stand for its gradients. ``extra``: more fields of the manifest.
     """
-    files = {f.name: {"size": f.stat().st_size, "hash": file_checksum(f)} for f in sorted(folder.glob("*.npy"))}
+    found = sorted(folder.glob("*.npy"))
+    if isinstance(config, dict) and config.get("bounded"):
+        found += sorted(f for f in (folder / "mff").glob("*.pt") if not f.name.startswith(TMP_PREFIX))
+    files = {f.relative_to(folder).as_posix(): {"size": f.stat().st_size, "hash": file_checksum(f)} for f in found}
     info = {n: {"n": shapes[n][0], "m": shapes[n][1], "tokens": tokens[n]} for n in names}
-    man = {"key": key, "config": config, "k": k, "layers": info, "files": files, "world_size": world_size}
+    man = {"key": key, "config": config, "k": k, "layers": info, "files": files, "world_size": world_size,
+           **(extra or {})}
     (folder / "manifest.json").write_text(json.dumps(man, indent=1))
     return info

@@ -22,7 +22,8 @@ from torch import nn
 from ...core.conventions import FisherkronError
 
 __all__ = ["CODE_VERSION", "PROVENANCE", "model_fingerprint", "model_record", "model_difference", "tensor_digest",
-           "data_fingerprint", "layer_fingerprint", "loss_key", "code_version", "calibration_key"]
+           "data_fingerprint", "layer_fingerprint", "loss_key", "code_version", "calibration_key",
+           "config_key"]
 
 CODE_VERSION = "calibration-2"  # bump when the meaning of a cached file changes
 #: config fields that say where a model came from or what its forward returns, not what it computes (a model
@@ -259,5 +260,9 @@ def calibration_key(model: nn.Module, batches, names: list[str], *, k: int, seed
               "k": k, "seed": seed, "stats": sorted(stats), "code": code_version(),
               "grad_dtype": grad_dtype, "granularity": granularity,
               "loss_fn": [getattr(loss_fn, "__qualname__", None), loss_hash]}
-    key = hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=16).hexdigest()
-    return config, key
+    return config, config_key(config)
+
+
+def config_key(config: dict) -> str:
+    """The cache key of a calibration's ``config``: the name of its entry's folder."""
+    return hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=16).hexdigest()
