@@ -106,8 +106,8 @@ def test_the_calibrated_curve_passes_through_its_measured_point_for_every_layer(
 def test_the_calibrated_allocation_costs_one_evaluation_per_layer(calibrated, tmp_path):
     base, st = calibrated
     layers = len(st.layers)
-    assert _allocate(base, st, "calibrated", tmp_path).evaluations == layers + 1  # + the dense loss
-    assert _allocate(base, st, "calibrated", tmp_path, calibrate_metric="kl").evaluations == layers + 2  # + outputs
+    assert _allocate(base, st, "calibrated", tmp_path, calibrate_metric="loss").evaluations == layers + 1  # + dense
+    assert _allocate(base, st, "calibrated", tmp_path).evaluations == layers + 2  # the KL, by default: + the outputs
 
 
 def test_the_depth_term_multiplies_the_calibrated_curves(calibrated, tmp_path):
@@ -139,8 +139,7 @@ def test_the_measurements_are_cached_and_invalidated_as_the_sweeps_are(strategy,
     with torch.no_grad():
         changed.get_submodule("model.norm").weight.mul_(1.5)  # outside the compressed layers
     assert not _allocate(changed, st, strategy, tmp_path).details["from_cache"]  # other weights
-    measured = {"calibrated": [{"calibrate_ratio": 0.3}, {"calibrate_metric": "kl"},
-                               {"calibrate_metric": "kl", "kl_temperature": 2.0}],
+    measured = {"calibrated": [{"calibrate_ratio": 0.3}, {"calibrate_metric": "loss"}, {"kl_temperature": 2.0}],
                 "lems": [{"calibrate_ratio": 0.8}, {"kl_temperature": 2.0}]}[strategy]
     for opts in measured:  # options of the measurement
         assert not _allocate(base, st, strategy, tmp_path, **opts).details["from_cache"], opts
@@ -317,7 +316,7 @@ def test_the_lems_allocation_passes_through_its_kl_point_times_the_depth_bias(ca
     ("fisher", {"calibrate_metric": "kl"}, "allocation 'fisher' does not read calibrate_metric"),
     ("sensitivity", {"solver": "ilp"}, "allocation 'sensitivity' does not read solver"),
     ("uniform", {"depth_gamma": 1.0}, "does not read depth_gamma; it applies to 'calibrated' and 'lems'"),
-    ("calibrated", {"kl_temperature": 0.5}, "kl_temperature applies to calibrate_metric='kl'"),
+    ("calibrated", {"calibrate_metric": "loss", "kl_temperature": 0.5}, "kl_temperature applies to calibrate_metric='kl'"),
     ("calibrated", {"calibrate_metric": "mse"}, "calibrate_metric 'mse' is unknown"),
     ("calibrated", {"calibrate_ratio": 1.0}, "calibrate_ratio must be a per-layer ratio in (0, 1)"),
     ("calibrated", {"depth_gamma": -1.0}, "depth_gamma must be a number >= 0"),

@@ -1,8 +1,9 @@
 """``fisherkron compress`` refuses options that cannot go together in one line, before the model is loaded.
 
-Issue 20, class 8: ``--grad-dtype float16 --granularity token`` and the single-process options under
-torchrun (``WORLD_SIZE > 1``) were refused by the library only after the model, the data (and, under
-torchrun, the process group) were loaded, or were ignored.
+``--grad-dtype float16 --granularity token`` and the single-process options under torchrun
+(``WORLD_SIZE > 1``) were refused by the library only after the model, the data (and, under
+torchrun, the process group) were loaded, or were ignored. They shape GFWSVD's gradients, so
+the commands name that method (the default, KFAC-SVD, stores none).
 """
 import pytest
 
@@ -10,7 +11,7 @@ from cli_harness import loader, run_cli  # noqa: F401 (loader: a fixture)
 
 _run = run_cli
 
-BASE = ["compress", "smollm2", "--rank", "2", "--k", "2"]
+BASE = ["compress", "smollm2", "--method", "gfwsvd", "--rank", "2", "--k", "2"]
 
 
 @pytest.mark.parametrize("world", ["1", "2"])

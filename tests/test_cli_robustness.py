@@ -358,7 +358,7 @@ def test_compress_with_an_allocation_meets_the_ratio(allocation, tmp_path, capsy
     out = tmp_path / "out"
     fast = ["--k", "2", "--batch-size", "2", "--seq-len", "16", "--no-cache"]
     assert run(["-q", "compress", models["llama"], "--out", out, *fast, "--ratio", "0.2", "--allocation", allocation,
-                "--grad-dtype", "bfloat16"]) == 0
+                "--method", "gfwsvd", "--grad-dtype", "bfloat16"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["allocation"] == allocation and summary["ratio"] >= 0.2
 

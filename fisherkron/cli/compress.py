@@ -1,13 +1,19 @@
 """``fisherkron compress``: calibrate, compress, save (and optionally score) a model from the shell.
 
-Example (embedded SmolLM2, C4 calibration, 20 % smaller, PTB perplexity before/after)::
+Example (embedded SmolLM2, 20 % smaller by the recommended recipe, PTB perplexity before/after)::
 
-    fisherkron compress smollm2 --method gfwsvd --ratio 0.2 --k 16 --out data/models/smollm2-gfwsvd-20 --ppl-tokens 4096
+    fisherkron compress smollm2 --ratio 0.2 --out data/models/smollm2-20 --ppl-tokens 4096
+
+Without ``--method`` and ``--allocation`` it runs :data:`fisherkron.hf.allocation.RECOMMENDED`
+(KFAC-SVD, per-layer ranks by the KL-calibrated allocation, which measures each layer once on
+held-out C4 batches) on the calibration that recipe was measured with (``--k``, ``--batch-size``,
+``--seq-len`` default to it); the recipe's docstring states the rule that chose it. ``--method
+gfwsvd`` runs the paper's method with the same allocation, its best in the same study.
 
 A sequence classifier (a folder whose ``config.json`` names a ``*ForSequenceClassification``,
 or ``minilm``) is loaded with its head and calibrated on a classification task::
 
-    fisherkron compress my-sst2-bert/ --data sst2 --rank 64 --out my-sst2-bert-gfwsvd
+    fisherkron compress my-sst2-bert/ --data sst2 --rank 64 --out my-sst2-bert-64
 
 The order is: check every option; check ``--out`` (a folder, writable -- tested by writing
 a file --, new, empty or an earlier save with ``--overwrite``, none of whose files was edited
@@ -33,6 +39,7 @@ saves and prints; the other ranks print nothing but errors.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -43,18 +50,19 @@ from ..core.lowrank import compression_ratio, lowrank_params
 from ..core.methods import METHODS
 from ..core.operators import ENCODINGS
 from ..core.regularization import MIN_ALPHA
+from ..hf.allocation import GFWSVD_RECIPE, MEASURED, RECOMMENDED, STRATEGIES, describe
 from . import options as opt
+from .evaluate import DEFAULT_PPL_SEQ_LEN
 
 log = logging.getLogger("fisherkron.cli")
 
 CALIBRATION = ("c4",) + opt.CLASSIFICATION_DATA
-DEFAULT_SEQ_LEN = 256
-
-
+#: calibration tokens per sequence: the recommended recipe's (at most the model's positions)
+DEFAULT_SEQ_LEN = RECOMMENDED.seq_len
 #: C4 documents held out of the calibration for the allocations that measure (their loss or KL is measured on them)
 HELDOUT_DOCS = 200
-#: the allocations that measure the model on held-out C4 batches
-MEASURED = ("sensitivity", "calibrated", "lems")
+#: held-out batches (of --batch-size x --seq-len) the measured allocations evaluate: the recommended recipe's
+HELDOUT_BATCHES = RECOMMENDED.heldout_batches
 
 
 def _settings(args) -> dict:
@@ -98,6 +106,16 @@ def _settings(args) -> dict:
         if args.ppl_tokens is not None:
             raise FisherkronError(f"--ppl-tokens scores PTB perplexity of a causal LM; {args.model} is a sequence "
                                   f"classifier (use `fisherkron evaluate --data {data}` on the saved folder)")
+    metric_given = args.calibrate_metric is not None
+    given = args.allocation is not None
+    args.allocation, why = _allocation(args, task)
+    if why:
+        notes.append((logging.INFO, "--allocation left out: %s (%s)", args.allocation, why))
+    running = (f"--allocation {args.allocation}" if given else
+               f"the {args.allocation} allocation that runs here ({why or 'with --rank nothing is allocated'})")
+    if args.ppl_seq_len is not None and args.ppl_tokens is None:
+        raise FisherkronError("--ppl-seq-len sets the window of the perplexity that --ppl-tokens scores; "
+                              "give --ppl-tokens")
     if args.allocation != "uniform" and args.ratio is None:
         raise FisherkronError(f"--allocation {args.allocation} chooses per-layer ranks for a target --ratio; "
                               f"give --ratio instead of --rank")
@@ -107,23 +125,44 @@ def _settings(args) -> dict:
     if args.allocation in ("fisher", "calibrated") and args.method == "svd":
         raise FisherkronError(f"--allocation {args.allocation} reads the calibration's Fisher, and method svd "
                               f"collects none; use another method or --allocation sensitivity or lems")
-    if args.calibrate_metric is not None and args.allocation != "calibrated":
+    if metric_given and args.allocation != "calibrated":
         raise FisherkronError(f"--calibrate-metric chooses what --allocation calibrated measures; drop it for "
-                              f"--allocation {args.allocation}")
+                              f"{running}")
     if args.calibrate_ratio is not None and args.allocation not in ("calibrated", "lems"):
         raise FisherkronError(f"--calibrate-ratio sets where --allocation calibrated or lems measures each layer; "
-                              f"drop it for --allocation {args.allocation}")
+                              f"drop it for {running}")
     if (args.grad_dtype != "float32" or args.granularity != "batch") and not METHODS[args.method].kronecker:
         raise FisherkronError(f"--grad-dtype and --granularity shape the gradients MFF reads; method {args.method} "
                               f"does not run MFF")
     if args.tol is not None and not METHODS[args.method].kronecker:
         raise FisherkronError(f"--tol sets MFF's tolerance, and method {args.method} does not run MFF")
+    if args.allocation == "calibrated" and not metric_given:
+        args.calibrate_metric = RECOMMENDED.calibrate_metric
     opt.check_gradient_options(args, METHODS[args.method].kronecker)  # pairs that cannot go together; torchrun
     if args.method == "svd" and (args.cache_dir is not None or args.no_cache):
         notes.append((logging.INFO, "method svd needs no calibration: --cache-dir/--no-cache have no effect"))
     for level, *msg in notes:
         log.log(level, *msg)
     return {"task": task, "data": data, "num_labels": num_labels, "info": info}
+
+
+def _allocation(args, task: str) -> tuple[str, str | None]:
+    """``(the allocation that runs, why the default is not the recommended one)``.
+
+    ``--allocation`` as given; left out, the recommended recipe's (``calibrated``) for a causal
+    LM's ``--ratio``, and ``uniform`` where that allocation does not apply: with ``--rank`` (one
+    rank for every layer), for a classifier (there are no held-out C4 batches to measure it on)
+    and for ``svd`` (it reads no Fisher to scale).
+    """
+    if args.allocation is not None:
+        return args.allocation, None
+    if args.ratio is None:
+        return "uniform", None
+    if task != "causal-lm":
+        return "uniform", f"the {RECOMMENDED.allocation} allocation measures on held-out C4 batches, a causal LM's"
+    if args.method == "svd":
+        return "uniform", f"the {RECOMMENDED.allocation} allocation scales a Fisher, which method svd does not read"
+    return RECOMMENDED.allocation, None
 
 
 def plan_table(model, names: list[str], plan: dict[str, int]) -> dict:
@@ -248,9 +287,13 @@ def _run_checked(args) -> int:
     # 3. the model, its positions, the layers and the ranks
     model, tok = opt.load_model(api, args, s)
     seq_len = opt.resolve_seq_len(model, args.seq_len, DEFAULT_SEQ_LEN, args.model)
-    if args.ppl_tokens is not None and args.ppl_tokens < seq_len:
-        raise FisherkronError(f"--ppl-tokens {args.ppl_tokens} is less than one window of --seq-len {seq_len}; "
-                              f"score at least {seq_len} tokens")
+    ppl_seq_len = None
+    if args.ppl_tokens is not None:
+        ppl_seq_len = opt.resolve_seq_len(model, args.ppl_seq_len, DEFAULT_PPL_SEQ_LEN, args.model,
+                                          option="--ppl-seq-len")
+        if args.ppl_tokens < ppl_seq_len:
+            raise FisherkronError(f"--ppl-tokens {args.ppl_tokens} is less than one window of --ppl-seq-len "
+                                  f"{ppl_seq_len}; score at least {ppl_seq_len} tokens")
     names, plan, table = _plan(api, args, model)
     dtype, source = _save_dtype(args, model)
     log.info("%s loaded as %s (%s params, stored in %s); %d layers selected", args.model, s["task"],
@@ -264,7 +307,8 @@ def _run_checked(args) -> int:
             log.warning("--allocation %s chooses the ranks after calibration; the plan shown is the uniform one "
                         "for the same ratio", args.allocation)
         print(json.dumps({"dry_run": True, "model": args.model, "task": s["task"], "method": args.method,
-                          "allocation": args.allocation, "layers": len(names), "ranks": plan,
+                          "allocation": args.allocation, **_metric(args), "recipe": _recipe(args),
+                          "calibration": _calibration(args, s, seq_len), "layers": len(names), "ranks": plan,
                           **{k: v for k, v in table.items() if k != "rows"}, "dtype": dtype, "input_dtype": source}))
         return 0
     if source is not None and _itemsize(dtype) > _itemsize(source):
@@ -276,13 +320,38 @@ def _run_checked(args) -> int:
     check_free_space(args.out, (table["params_before"] if args.merged else table["params_after"]) * _itemsize(dtype))
     if args.verbose:
         _print_table(table, file=sys.stderr)
+    if not args.quiet and (launch is None or launch.rank == 0):
+        cal = _calibration(args, s, seq_len)
+        held = f" and {cal['heldout_batches']} held-out ones to measure on" if cal["heldout_batches"] else ""
+        print(f"fisherkron: {describe(args.method, args.allocation, args.calibrate_metric)}"
+              f"{', the recommended recipe' if _recipe(args) else ''}; calibration: {cal['k']} {cal['data']} batches "
+              f"of {cal['batch_size']} x {cal['seq_len']} tokens{held}", file=sys.stderr)
     if launch is None:
-        return _calibrate_compress_save(api, args, s, model, tok, seq_len, names, dtype=dtype, source=source)
+        return _calibrate_compress_save(api, args, s, model, tok, seq_len, names, dtype=dtype, source=source,
+                                        ppl_seq_len=ppl_seq_len)
     launch.join(args.dist_timeout)
     try:
-        return _calibrate_compress_save(api, args, s, model, tok, seq_len, names, launch, dtype=dtype, source=source)
+        return _calibrate_compress_save(api, args, s, model, tok, seq_len, names, launch, dtype=dtype, source=source,
+                                        ppl_seq_len=ppl_seq_len)
     finally:
         launch.close()
+
+
+def _metric(args) -> dict:
+    """``{"calibrate_metric": ...}`` for the calibrated allocation, else nothing."""
+    return {"calibrate_metric": args.calibrate_metric} if args.allocation == "calibrated" else {}
+
+
+def _recipe(args) -> str | None:
+    """``"recommended"`` when the method and allocation are the recommended recipe's, else ``None``."""
+    return "recommended" if RECOMMENDED.matches(args.method, args.allocation, args.calibrate_metric) else None
+
+
+def _calibration(args, s: dict, seq_len: int) -> dict:
+    """The calibration (and held-out) batches the command draws, as its JSON line reports them."""
+    measured = args.allocation in MEASURED
+    return {"data": s["data"], "k": args.k, "batch_size": args.batch_size, "seq_len": seq_len, "seed": args.seed,
+            "heldout_batches": HELDOUT_BATCHES if measured else 0}
 
 
 def _itemsize(dtype: str) -> int:
@@ -292,7 +361,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names: list[str], launch=None, *,
-                             dtype: str, source: str | None) -> int:
+                             dtype: str, source: str | None, ppl_seq_len: int | None) -> int:
     """Step 4, the expensive part: data, perplexity before, calibration, (MFF over the ranks,) compression, saving."""
     progress = not args.quiet
     allocation_options = None
@@ -300,7 +369,7 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
         docs = api.c4_documents()
         if args.allocation in MEASURED:  # the measurements use documents the calibration does not see
             docs, held = docs[:-HELDOUT_DOCS], docs[-HELDOUT_DOCS:]
-            allocation_options = {"heldout": api.lm_batches(tok, held, 1, batch_size=args.batch_size,
+            allocation_options = {"heldout": api.lm_batches(tok, held, HELDOUT_BATCHES, batch_size=args.batch_size,
                                                             seq_len=seq_len, seed=args.seed + 1)}
             allocation_options.update({k: v for k, v in (("calibrate_metric", args.calibrate_metric),
                                                          ("calibrate_ratio", args.calibrate_ratio)) if v is not None})
@@ -312,8 +381,7 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
                                              seed=args.seed, task=s["data"])
     before = None
     if args.ppl_tokens and launch is None:
-        before = api.perplexity(model, tok, api.ptb("test"), seq_len=seq_len,
-                                max_tokens=args.ppl_tokens, progress=progress).ppl
+        before = _ptb(api, model, tok, args, ppl_seq_len, progress).ppl
     stats = None
     fisher = args.allocation in ("fisher", "calibrated")  # the allocations that read a Kronecker Fisher
     methods = _methods(args)
@@ -336,8 +404,7 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
         if launch.rank != 0:
             return 0
         if args.ppl_tokens:
-            before = api.perplexity(model, tok, api.ptb("test"), seq_len=seq_len,
-                                    max_tokens=args.ppl_tokens, progress=progress).ppl
+            before = _ptb(api, model, tok, args, ppl_seq_len, progress).ppl
     limit = None if args.factor_memory_gb is None else int(args.factor_memory_gb * 1e9)
     report = api.compress(model, args.method, stats, names, rank=args.rank, ratio=args.ratio,
                           min_alpha=args.min_alpha, mff_options=mff_options, allocation=args.allocation,
@@ -355,96 +422,191 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
     saved = sum(spec["size"] for spec in json.loads((out / MANIFEST).read_text())["files"].values())
     summary = {"out": str(out), "model": args.model, "task": s["task"], "data": s["data"], "method": args.method,
                "ratio": report.ratio, "params_before": report.params_before, "params_after": report.params_after,
-               "allocation": report.allocation, "layers_kept_dense": sum(lr.skipped is not None
-                                                                         for lr in report.layers.values()),
+               "allocation": report.allocation, "allocation_details": report.allocation_details,
+               "allocation_cost": report.allocation_cost, "recipe": report.recipe,
+               "calibration": _calibration(args, s, seq_len),
+               "layers_kept_dense": sum(lr.skipped is not None for lr in report.layers.values()),
                "dtype": dtype, "input_dtype": source, "saved_bytes": saved}
     if args.ppl_tokens:
         reloaded = api.load_compressed(out)
         if args.device is not None:
             reloaded.to(args.device)
-        summary["ptb_ppl_before"] = before
-        summary["ptb_ppl_after"] = api.perplexity(reloaded, tok, api.ptb("test"), seq_len=seq_len,
-                                                  max_tokens=args.ppl_tokens, progress=progress).ppl
+        after = _ptb(api, reloaded, tok, args, ppl_seq_len, progress)
+        summary.update({"ptb_ppl_before": before, "ptb_ppl_after": after.ppl, "ptb_seq_len": ppl_seq_len,
+                        "ptb_first_tokens": args.ppl_tokens, "ptb_scored_tokens": after.tokens})
     print(json.dumps(summary))
     return 0
 
 
+def _ptb(api, model, tok, args, seq_len: int, progress: bool):
+    """PTB test perplexity on its first ``--ppl-tokens`` tokens in non-overlapping ``seq_len`` windows.
+
+    The studies' evaluation (:meth:`fisherkron.experiments.llm_compression.Study.evaluate`: the
+    first ``eval_tokens`` tokens of PTB test, ``eval_seq_len`` windows, one window a forward pass):
+    the same function on the same windows, so ``--ppl-tokens 4096`` (and the default
+    ``--ppl-seq-len``) scores a model as their tables do.
+    """
+    return api.perplexity(model, tok, api.ptb("test"), seq_len=seq_len, max_tokens=args.ppl_tokens, progress=progress)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps one-paragraph texts, keeps the lines of a text that has them (the epilog), and adds
+    ``(default: X)`` to an option whose help does not say its default.
+
+    An option whose default is ``None`` (decided later, from the model or the other options) says
+    what it will be in its own help text; a flag is off unless given.
+    """
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("(default" in text or not action.option_strings
+                or any(action.default is v for v in (None, False, argparse.SUPPRESS))):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _epilog() -> str:
+    """Three example commands: the recommended recipe, the paper's GFWSVD protocol, a classifier."""
+    import textwrap
+
+    r = RECOMMENDED
+    examples = [
+        (f"the recommended recipe: {r.describe()}, calibrated on {r.k} C4 batches of {r.batch_size} x {r.seq_len} "
+         f"tokens; PTB perplexity before and after, as the studies score it:",
+         "fisherkron compress smollm2 --ratio 0.2 --out smollm2-20 --ppl-tokens 4096"),
+        ("the paper's GFWSVD protocol (Sec. 6.3): MFF's Kronecker factors, ranks by ASVD's sensitivity sweep:",
+         "fisherkron compress smollm2 --method gfwsvd --allocation sensitivity --ratio 0.2 --out smollm2-gfwsvd-20"),
+        ("a fine-tuned classifier, one rank for every layer (the paper's BERT protocol):",
+         "fisherkron compress my-sst2-bert/ --data sst2 --rank 64 --out my-sst2-bert-64"),
+    ]
+    lines = ["examples:"]
+    for what, command in examples:
+        lines += textwrap.wrap(what, 100, initial_indent="  ", subsequent_indent="  ") + ["    " + command]
+    lines += ["", *textwrap.wrap("The recommended recipe, GFWSVD's best allocation and the rule that chose them "
+                                 "from the package's allocation and calibration studies: "
+                                 "fisherkron.hf.allocation.RECOMMENDED and GFWSVD_RECIPE.", 100)]
+    return "\n".join(lines)
+
+
 def add_compress_command(sub, verbosity_options) -> None:
+    r = RECOMMENDED
     c = sub.add_parser("compress", help="calibrate and compress a model, save a Hugging Face folder",
-                       description="Calibrate, compress and save a model (and optionally score its PTB "
-                                   "perplexity). Every option, the output folder, the layers and the ranks "
-                                   "are checked before any data is read.")
+                       formatter_class=HelpFormatter, epilog=_epilog(),
+                       description=f"Calibrate, compress and save a model (and optionally score its PTB "
+                                   f"perplexity). Without --method and --allocation: the recommended recipe, "
+                                   f"{r.describe()}. Every option, the output folder, the layers and the ranks are "
+                                   f"checked before any data is read.")
     verbosity_options(c, top=False)
-    c.add_argument("model", help="smollm2 | minilm | a local HF folder | a hub name (paper profile, needs the hub)")
-    c.add_argument("--task", choices=opt.TASKS, default=None,
+    g = c.add_argument_group("model and data")
+    g.add_argument("model", help="smollm2 | minilm | a local HF folder | a hub name (paper profile, needs the hub)")
+    g.add_argument("--task", choices=opt.TASKS, default=None,
                    help="how to load the model (default: from its config.json architectures; "
                         "minilm: sequence-classification, smollm2: causal-lm)")
-    c.add_argument("--method", default="gfwsvd", choices=list(METHODS), help="compression method (default gfwsvd)")
-    group = c.add_mutually_exclusive_group(required=True)
-    group.add_argument("--ratio", type=opt.ratio, help="target whole-model compression ratio (1 - after/before), in (0, 1)")
-    group.add_argument("--rank", type=opt.positive_int, help="one rank for every selected layer")
-    c.add_argument("--min-alpha", type=opt.non_negative_float, default=MIN_ALPHA,
-                   help="floor of the regularisation alpha of the Kronecker factors (see fisherkron.regularize)")
-    c.add_argument("--tol", type=opt.tol, default=None, help="MFF's target relative error, in (0, 1)")
-    c.add_argument("--allocation", choices=("uniform", "sensitivity", "fisher", "calibrated", "lems"),
-                   default="uniform",
-                   help="with --ratio, how per-layer ranks are chosen: one ratio for every layer (uniform, the "
-                        "default); ASVD's measured sensitivity on held-out C4 batches, the paper's protocol "
-                        "(sensitivity; the last %d C4 documents are held out of the calibration); Theorem 1's "
-                        "predicted loss increase, no model evaluation (fisher); those curves scaled through one "
-                        "measured point per layer, ranks by an exact integer program (calibrated); or LEMS's "
-                        "allocation (lems)" % HELDOUT_DOCS)
-    c.add_argument("--calibrate-metric", choices=("loss", "kl"), default=None,
-                   help="--allocation calibrated: measure the held-out loss increase (default) or the KL divergence "
-                        "from the dense model's outputs")
-    c.add_argument("--calibrate-ratio", type=opt.ratio, default=None,
-                   help="--allocation calibrated / lems: the per-layer ratio at which each layer is measured alone "
-                        "(default 0.5; LEMS's 0.9, 10 %% of the rank)")
-    c.add_argument("--grad-dtype", choices=list(ENCODINGS), default="float32",
-                   help="how calibration gradients are stored (16-bit: half the disk)")
-    c.add_argument("--granularity", choices=("batch", "sequence", "token"), default="batch",
-                   help="what one gradient of the empirical Fisher is: a batch's (the paper's, default), "
-                        "a sequence's, or a token's (rank one, matrix-free)")
-    c.add_argument("--min-speedup", type=opt.positive_float, default=None,
+    g.add_argument("--data", default=None, choices=CALIBRATION,
+                   help="calibration data (default: c4 for a causal LM; a classifier names its task: sst2, boolq "
+                        "or trec)")
+    g.add_argument("--device", type=opt.device, default=None, help="cpu, cuda, cuda:N or mps (default: cpu)")
+
+    g = c.add_argument_group("how much", "a whole-model ratio or one rank for every layer (exactly one), and the "
+                                         "layers they apply to")
+    target = g.add_mutually_exclusive_group(required=True)
+    target.add_argument("--ratio", type=opt.ratio,
+                        help="target whole-model compression ratio (1 - after/before), in (0, 1)")
+    target.add_argument("--rank", type=opt.positive_int, help="one rank for every selected layer")
+    g.add_argument("--layers", default=None,
+                   help="regex/glob of nn.Linear names (default: the paper's layers)")
+    g.add_argument("--min-speedup", type=opt.positive_float, default=None,
                    help="keep a layer dense unless its factorisation is measured at least this many times as "
-                        "fast (e.g. 1.0); the achieved ratio may then fall below --ratio")
-    c.add_argument("--layers", default=None, help="regex/glob of nn.Linear names (default: the paper's layers)")
-    c.add_argument("--data", default=None, choices=CALIBRATION,
-                   help="calibration data: c4 for causal LMs (the default); sst2, boolq or trec for a classifier")
-    c.add_argument("--k", type=opt.positive_int, default=16, help="calibration batches (one gradient per batch)")
-    c.add_argument("--batch-size", type=opt.positive_int, default=4)
-    c.add_argument("--seq-len", type=opt.seq_len, default=None,
-                   help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's positions if fewer)")
-    c.add_argument("--seed", type=opt.non_negative_int, default=0)
-    c.add_argument("--device", type=opt.device, default=None, help="cpu, cuda, cuda:N or mps (default: cpu)")
-    c.add_argument("--out", default=None, help="output folder (config + safetensors + fisherkron manifest)")
-    c.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier fisherkron save in --out (other folders are never touched)")
-    c.add_argument("--overwrite-edited", action="store_true",
-                   help="with an earlier save in --out, also replace the files it wrote that were edited since "
-                        "(default: such a file is refused by name); implies --overwrite")
-    c.add_argument("--dtype", choices=opt.DTYPES, default="auto",
-                   help="the dtype the weights are saved in (default auto: the dtype the input model is stored in, "
-                        "so a bfloat16 model stays bfloat16)")
-    c.add_argument("--skip-large-layers", action="store_true",
+                        "fast (e.g. 1.0); the achieved ratio may then fall below --ratio (default: off)")
+    g.add_argument("--skip-large-layers", action="store_true",
                    help="keep dense (with a warning) the selected layers whose factors cannot fit in memory, "
-                        "e.g. a vocabulary-sized lm_head under a Kronecker method; default: refuse them")
-    c.add_argument("--factor-memory-gb", type=opt.positive_float, default=None,
+                        "e.g. a vocabulary-sized lm_head under a Kronecker method (default: refuse them)")
+    g.add_argument("--factor-memory-gb", type=opt.positive_float, default=None,
                    help="the memory one layer's factors may take, in GB (default: the memory available when the "
                         "command starts)")
-    c.add_argument("--merged", action="store_true",
+
+    g = c.add_argument_group("method")
+    g.add_argument("--method", default=r.method, choices=list(METHODS),
+                   help=f"compression method; gfwsvd is the paper's, and its best allocation in the same study is "
+                        f"the {GFWSVD_RECIPE.allocation} one with the {GFWSVD_RECIPE.calibrate_metric} metric too, "
+                        f"which this command uses by default (default: {r.method}, the recommended recipe's)")
+    g.add_argument("--min-alpha", type=opt.non_negative_float, default=MIN_ALPHA,
+                   help="floor of the regularisation alpha of the Kronecker factors (see fisherkron.regularize)")
+    g.add_argument("--tol", type=opt.tol, default=None,
+                   help="MFF's target relative error, in (0, 1) (default: MFF's, 1e-5 in float32; GFWSVD family)")
+
+    g = c.add_argument_group("allocation", "with --ratio, how the per-layer ranks are chosen")
+    g.add_argument("--allocation", choices=STRATEGIES, default=None,
+                   help=f"uniform: one ratio for every layer; sensitivity: ASVD's measured sweep, the paper's "
+                        f"protocol; fisher: Theorem 1's predicted loss increase, no model evaluation; calibrated: "
+                        f"those curves scaled through one measured point per layer, ranks by an exact integer "
+                        f"program; lems: LEMS's allocation. The measured ones (sensitivity, calibrated, lems) evaluate "
+                        f"{HELDOUT_BATCHES} held-out batches from the last {HELDOUT_DOCS} C4 documents, which the "
+                        f"calibration never sees (default: {r.allocation}, the recommended recipe's, for --ratio on "
+                        f"a causal LM; uniform with --rank, for a classifier and for svd)")
+    g.add_argument("--calibrate-metric", choices=("kl", "loss"), default=None,
+                   help=f"what --allocation calibrated measures: the KL divergence from the dense model's outputs "
+                        f"(kl) or the held-out loss increase (loss) (default: {r.calibrate_metric}, the recommended "
+                        f"recipe's)")
+    g.add_argument("--calibrate-ratio", type=opt.ratio, default=None,
+                   help="--allocation calibrated / lems: the per-layer ratio at which each layer is measured alone "
+                        "(default: 0.5; LEMS's 0.9, 10 %% of the rank)")
+
+    g = c.add_argument_group("calibration", f"the batches the statistics are collected on; the defaults are the "
+                                            f"setting the recommended recipe was measured at ({r.k} batches of "
+                                            f"{r.batch_size} x {r.seq_len} tokens)")
+    g.add_argument("--k", type=opt.positive_int, default=r.k,
+                   help="calibration batches (one gradient, or one K-FAC sum, per batch)")
+    g.add_argument("--batch-size", type=opt.positive_int, default=r.batch_size, help="sequences per batch")
+    g.add_argument("--seq-len", type=opt.seq_len, default=None,
+                   help=f"tokens per sequence (default: {DEFAULT_SEQ_LEN}, or the model's positions if fewer)")
+    g.add_argument("--seed", type=opt.non_negative_int, default=0,
+                   help="draws the calibration windows (the held-out ones with seed + 1)")
+    g.add_argument("--grad-dtype", choices=list(ENCODINGS), default="float32",
+                   help="how calibration gradients are stored (16-bit: half the disk; GFWSVD family)")
+    g.add_argument("--granularity", choices=("batch", "sequence", "token"), default="batch",
+                   help="what one gradient of the empirical Fisher is: a batch's (the paper's), a sequence's, or a "
+                        "token's (rank one, matrix-free; GFWSVD family)")
+    g.add_argument("--cache-dir", default=None, help="calibration cache folder (default: data/cache/calibration)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="do not reuse or keep calibration results (they go to a private folder under the cache "
+                        "folder, deleted afterwards)")
+
+    g = c.add_argument_group("output")
+    g.add_argument("--out", default=None,
+                   help="output folder: config + safetensors + fisherkron manifest (required unless --dry-run)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier fisherkron save in --out (other folders are never touched)")
+    g.add_argument("--overwrite-edited", action="store_true",
+                   help="with an earlier save in --out, also replace the files it wrote that were edited since "
+                        "(default: such a file is refused by name); implies --overwrite")
+    g.add_argument("--dtype", choices=opt.DTYPES, default="auto",
+                   help="the dtype the weights are saved in (default: auto, the dtype the input model is stored "
+                        "in, so a bfloat16 model stays bfloat16)")
+    g.add_argument("--merged", action="store_true",
                    help="save W2 W1 multiplied back into dense weights: a plain Hugging Face folder any tool "
-                        "loads (no saving on disk); default: the factorised form, read by fisherkron.load_compressed")
-    c.add_argument("--cache-dir", default=None, help="calibration cache folder (default data/cache/calibration)")
-    c.add_argument("--no-cache", action="store_true", help="do not reuse or keep calibration results (they go to a private folder under "
-                        "the cache folder, deleted afterwards)")
-    c.add_argument("--ppl-tokens", type=opt.positive_int, default=None,
-                   help="score PTB perplexity on this many tokens before/after (causal LMs)")
-    c.add_argument("--dry-run", action="store_true",
+                        "loads, no saving on disk (default: the factorised form, read by fisherkron.load_compressed)")
+    g.add_argument("--dry-run", action="store_true",
                    help="load the model, plan the ranks, print them and the parameter counts; calibrate nothing")
-    c.add_argument("--mff-parallel", choices=("batches", "layers"), default=None,
-                   help="under torchrun: MFF of every layer on all ranks, each with its batches' gradients "
-                        "(batches, the default), or layer i on rank i %% world with all its gradients (layers)")
-    c.add_argument("--dist-timeout", type=opt.positive_float, default=1800.0,
-                   help="under torchrun: seconds a rank waits for the others before the run stops (default 1800)")
+
+    g = c.add_argument_group("evaluation", "PTB test perplexity before and after (causal LMs), as the studies "
+                                           "score it")
+    g.add_argument("--ppl-tokens", type=opt.positive_int, default=None,
+                   help="score the first N tokens of PTB test, in --ppl-seq-len windows (default: off; the "
+                        "studies: 4096)")
+    g.add_argument("--ppl-seq-len", type=opt.seq_len, default=None,
+                   help=f"the perplexity's window (default: {DEFAULT_PPL_SEQ_LEN}, the studies' and fisherkron "
+                        f"evaluate's, or the model's positions if fewer)")
+
+    g = c.add_argument_group("distributed", "under torchrun --nproc_per_node=N -m fisherkron compress ...")
+    g.add_argument("--mff-parallel", choices=("batches", "layers"), default=None,
+                   help="MFF of every layer on all ranks, each with its batches' gradients (batches), or layer i "
+                        "on rank i %% world with all its gradients (layers) (default: batches)")
+    g.add_argument("--dist-timeout", type=opt.positive_float, default=1800.0,
+                   help="seconds a rank waits for the others before the run stops")
     c.set_defaults(func=_run)

@@ -336,14 +336,14 @@ def max_positions(model) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-def resolve_seq_len(model, given: int | None, default: int, name: str) -> int:
-    """``given`` (an error when the model has fewer positions) or ``min(default, positions)``."""
+def resolve_seq_len(model, given: int | None, default: int, name: str, option: str = "--seq-len") -> int:
+    """``given`` (an error naming ``option`` when the model has fewer positions) or ``min(default, positions)``."""
     limit = max_positions(model)
     if given is None:
         return default if limit is None else min(default, limit)
     if limit is not None and given > limit:
-        raise FisherkronError(f"--seq-len {given} exceeds the {limit} positions of {name} "
-                              f"(max_position_embeddings); use --seq-len {limit} or less")
+        raise FisherkronError(f"{option} {given} exceeds the {limit} positions of {name} "
+                              f"(max_position_embeddings); use {option} {limit} or less")
     return given
 
 

@@ -21,15 +21,20 @@ r"""Per-layer ranks for a whole-model compression ratio: uniform, measured, Fish
   (:func:`fisherkron.core.allocation.choose_ranks`, a Lagrangian relaxation whose certified gap
   to the optimum is in ``details``; ``solver="ilp"``: the exact integer program);
 * ``"calibrated"`` (beyond the paper): the fisher allocation's curves, each scaled by one number
-  so that it passes through one measured point: the held-out loss increase
-  (``calibrate_metric="loss"``, default) or the KL divergence from the dense model's outputs
-  (``"kl"``) with that layer alone compressed at the per-layer ratio ``calibrate_ratio``
+  so that it passes through one measured point: the KL divergence from the dense model's outputs
+  (``calibrate_metric="kl"``, the default: :data:`RECOMMENDED`'s) or the held-out loss increase
+  (``"loss"``) with that layer alone compressed at the per-layer ratio ``calibrate_ratio``
   (default :data:`CALIBRATE_RATIO`), measured by the sensitivity sweep's machinery (one
   evaluation per layer, :class:`PrefixReplay`, the same on-disk cache and key)
   (:func:`fisherkron.core.allocation.scale_to_points`); optionally times LEMS's depth bias
   (``depth_gamma``, off by default); ranks by the exact integer program over every rank
   (:func:`fisherkron.core.allocation.knapsack`, HiGHS);
 * ``"lems"``: LEMS's allocation (Thoma et al., ICML 2026) as a baseline: see :func:`lems_costs`.
+
+:data:`RECOMMENDED` is the one recipe the package recommends (a method, its allocation and the
+calibration it was measured with), chosen by a stated rule from the committed studies; the
+defaults of :func:`fisherkron.compress` (called without a method) and of ``fisherkron compress``
+read it.
 
 Every strategy factorises with the options :func:`fisherkron.compress` applies
 (``regularization``, ``alpha``, ``min_alpha``, ``asvd_alpha``, ``mff_options``), so what is
@@ -65,11 +70,99 @@ from .sensitivity import (CODE_VERSION, METRICS, SENSITIVITY_RATIOS, OutputKL, P
 
 __all__ = ["STRATEGIES", "OPTIONS", "Allocation", "allocate", "check_options", "layer_statistics", "Decompositions",
            "fisher_curves", "lems_costs", "sensitivity_sweep", "sweep_key", "mean_loss", "loss_with_factors",
-           "PrefixReplay", "OutputKL", "SENSITIVITY_RATIOS", "CODE_VERSION", "CALIBRATE_RATIO", "LEMS"]
+           "PrefixReplay", "OutputKL", "SENSITIVITY_RATIOS", "CODE_VERSION", "CALIBRATE_RATIO", "LEMS", "MEASURED",
+           "Recipe", "RECOMMENDED", "GFWSVD_RECIPE"]
 
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("uniform", "sensitivity", "fisher", "calibrated", "lems")
+#: the strategies that measure the model on held-out batches (``heldout``)
+MEASURED = ("sensitivity", "calibrated", "lems")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A method, how its per-layer ranks are allocated for a ratio, and the calibration it was measured with.
+
+    Attributes:
+        method: a key of :data:`fisherkron.METHODS`.
+        allocation: a strategy of :func:`allocate` (it applies to a target ``ratio=``; with
+            ``rank=`` every layer takes that rank).
+        calibrate_metric: what ``"calibrated"`` measures at its one point per layer (``None`` for
+            the other allocations).
+        k, batch_size, seq_len: the calibration: ``k`` batches of ``batch_size`` sequences of
+            ``seq_len`` tokens (:func:`fisherkron.lm_batches`).
+        heldout_batches: held-out batches of the same shape for the measured allocations, drawn
+            from documents the calibration does not see.
+
+    >>> RECOMMENDED.describe()
+    'kfac_svd with the calibrated allocation (one KL point per layer)'
+    >>> RECOMMENDED.study_label()
+    'calibrated_kl'
+    """
+
+    method: str
+    allocation: str
+    calibrate_metric: str | None
+    k: int
+    batch_size: int
+    seq_len: int
+    heldout_batches: int
+
+    def describe(self) -> str:
+        """The recipe in words (:func:`describe`)."""
+        return describe(self.method, self.allocation, self.calibrate_metric)
+
+    def study_label(self) -> str:
+        """The allocation's name in the allocation study's table (``calibrated_kl`` for the KL-calibrated one)."""
+        return self.allocation + ("_kl" if self.allocation == "calibrated" and self.calibrate_metric == "kl" else "")
+
+    def matches(self, method: str, allocation: str, calibrate_metric: str | None) -> bool:
+        """Whether a compression with these settings ran this recipe's method and allocation."""
+        return (method, allocation, calibrate_metric if allocation == "calibrated" else None) == (
+            self.method, self.allocation, self.calibrate_metric)
+
+
+def describe(method: str, allocation: str, calibrate_metric: str | None = None) -> str:
+    """What a compression runs, in words, for progress lines and reports.
+
+    >>> describe("gfwsvd", "sensitivity")
+    "gfwsvd with the sensitivity allocation (ASVD's sweep, several ratios per layer)"
+    """
+    what = {"uniform": "one ratio for every layer", "fisher": "Theorem 1's curves, no model evaluation",
+            "sensitivity": "ASVD's sweep, several ratios per layer",
+            "calibrated": f"one {'KL' if calibrate_metric == 'kl' else 'loss'} point per layer",
+            "lems": "one KL point per layer"}.get(allocation, allocation)
+    return f"{method} with the {allocation} allocation ({what})"
+
+
+#: The recommended recipe, the default of ``fisherkron compress MODEL --ratio R`` and of
+#: ``fisherkron.compress(model, stats, ratio=R)``: KFAC-SVD with the KL-calibrated allocation,
+#: calibrated on 32 batches of 2 x 256 tokens.
+#:
+#: The rule, and where its evidence is. *Method and allocation*: the (method, allocation) pair with the
+#: lowest PTB perplexity at every target ratio of the allocation study (``notebooks/fig_allocation_cost.py``;
+#: every case in ``figures/tab_allocation_cost.csv``, the "Best at ..." lines of
+#: ``figures/fig_allocation_cost_summary.provenance.json``), which compared uniform, fisher, sensitivity,
+#: LEMS and both calibrated variants for GFWSVD, KFAC-SVD and SVD-LLM: the row ``kfac_svd`` /
+#: ``calibrated_kl`` is best at each ratio. *Metric*: the KL divergence, which the same record's
+#: ``extra.verdict.head_to_head`` finds better than the held-out loss (more (method, ratio) pairs won, and a
+#: geometric mean of the perplexity ratio below 1). *Calibration*: the setting that row was measured at
+#: (the record's ``k``, ``batch_size``, ``seq_len`` and ``heldout_k``), kept because the recipe's quality
+#: is known there and only there: the calibration study (``notebooks/fig_calibration.py``, the
+#: ``kfac_svd`` rows of ``figures/tab_calibration.csv``) measured KFAC-SVD far worse at its smallest k and
+#: about level at the k just below, and K-FAC's statistics cost little per batch
+#: (``figures/fig_calibration_summary.provenance.json``, ``extra.verdict.warm_start``), so a smaller k
+#: would save little. ``tests/test_recipe.py`` checks each of these against the committed records: a
+#: study re-run that moves the best row fails it, and this constant is then revised with that evidence.
+RECOMMENDED = Recipe(method="kfac_svd", allocation="calibrated", calibrate_metric="kl", k=32, batch_size=2,
+                     seq_len=256, heldout_batches=2)
+#: GFWSVD (the paper's method, ``--method gfwsvd``) with its own best allocation in the same study: the
+#: KL-calibrated one again (lowest PTB of the ``gfwsvd`` rows at every ratio); the paper's protocol
+#: allocates by ASVD's sensitivity sweep instead (``allocation="sensitivity"``, Sec. 6.3).
+GFWSVD_RECIPE = Recipe(method="gfwsvd", allocation="calibrated", calibrate_metric="kl", k=RECOMMENDED.k,
+                       batch_size=RECOMMENDED.batch_size, seq_len=RECOMMENDED.seq_len,
+                       heldout_batches=RECOMMENDED.heldout_batches)
 #: the keys of ``compress(allocation_options=)``: the arguments of :func:`allocate` that compress leaves to the user
 OPTIONS = ("heldout", "loss_fn", "loss_name", "sensitivity_ratios", "cache", "cache_dir", "calibrate_metric",
            "calibrate_ratio", "kl_temperature", "depth_gamma", "rank_multiple", "solver", "time_limit")
@@ -87,7 +180,8 @@ _DEFAULTS = {
     "uniform": {},
     "sensitivity": {},
     "fisher": {"solver": "lagrangian", "time_limit": ILP_TIME_LIMIT},
-    "calibrated": {"calibrate_metric": "loss", "calibrate_ratio": CALIBRATE_RATIO, "kl_temperature": 1.0,
+    "calibrated": {"calibrate_metric": RECOMMENDED.calibrate_metric, "calibrate_ratio": CALIBRATE_RATIO,
+                   "kl_temperature": 1.0,
                    "depth_gamma": 0.0, "rank_multiple": 1, "solver": "ilp", "time_limit": ILP_TIME_LIMIT},
     "lems": {"calibrate_metric": "kl", "calibrate_ratio": LEMS["calibrate_ratio"],
              "kl_temperature": LEMS["kl_temperature"], "depth_gamma": LEMS["depth_gamma"],
@@ -404,8 +498,8 @@ def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, name
             the one that follows.
         cache, cache_dir: keep the measurements on disk (default ``data/cache/allocation``).
         decompositions: a :class:`Decompositions` shared with the compression that follows.
-        calibrate_metric: ``calibrated``: ``"loss"`` (held-out loss increase, default) or ``"kl"``
-            (KL divergence from the dense outputs); ``lems`` measures ``"kl"``.
+        calibrate_metric: ``calibrated``: ``"kl"`` (KL divergence from the dense outputs, the default:
+            :data:`RECOMMENDED`'s) or ``"loss"`` (held-out loss increase); ``lems`` measures ``"kl"``.
         calibrate_ratio: the per-layer ratio (fraction of the layer's weights removed) of the one
             measured point per layer: :data:`CALIBRATE_RATIO` for ``calibrated``, 0.9 (10 % of
             the layer's rank) for ``lems``.
@@ -424,6 +518,13 @@ def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, name
     if strategy not in STRATEGIES:
         raise FisherkronError(f"allocation {strategy!r} is unknown; use one of {', '.join(STRATEGIES)}")
     method_row(method)
+    if strategy in MEASURED:
+        heldout = list(heldout or ())
+    if strategy in MEASURED and not heldout:
+        raise FisherkronError(f"the {strategy} allocation measures each layer on held-out batches: pass heldout= "
+                              f"(with compress: allocation_options={{'heldout': batches}}), batches drawn from "
+                              f"documents the calibration did not see, e.g. fisherkron.lm_batches(tokenizer, "
+                              f"held_out_documents, {RECOMMENDED.heldout_batches})")
     ratio = check_ratio(ratio)
     opt = _strategy_options(strategy, dict(calibrate_metric=calibrate_metric, calibrate_ratio=calibrate_ratio,
                                            kl_temperature=kl_temperature, depth_gamma=depth_gamma,
@@ -461,11 +562,13 @@ def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, name
         if strategy == "calibrated" and stats is None:
             raise FisherkronError("the calibrated allocation scales the fisher allocation's curves, which need "
                                   "calibration statistics (stats=)")
+        what = f"one {'KL' if opt['calibrate_metric'] == 'kl' else 'loss'} point per layer"
         sweep = sensitivity_sweep(model, method, stats, names, heldout, ratios=(opt["calibrate_ratio"],),
                                   loss_fn=loss_fn, loss_name=loss_name, cache=cache, cache_dir=cache_dir,
                                   metric=opt["calibrate_metric"],
                                   temperature=opt["kl_temperature"] if opt["calibrate_metric"] == "kl" else 1.0,
-                                  **options)
+                                  label=(f"calibrating ({method}, {what})" if strategy == "calibrated"
+                                         else f"LEMS ({method}, {what})"), **options)
         points = _points(sweep, names)
         bias = _depth(model, names, opt["depth_gamma"], LEMS["depth_alpha"])
         details = {"calibrate_metric": opt["calibrate_metric"], "calibrate_ratio": opt["calibrate_ratio"],
@@ -498,7 +601,9 @@ def allocate(model: nn.Module, method: str, stats: CalibrationStats | None, name
                          predicted=predicted, details={**details, **_solved(choice)})
     else:
         sweep = sensitivity_sweep(model, method, stats, names, heldout, ratios=sensitivity_ratios, loss_fn=loss_fn,
-                                  loss_name=loss_name, cache=cache, cache_dir=cache_dir, **options)
+                                  loss_name=loss_name, cache=cache, cache_dir=cache_dir,
+                                  label=f"sensitivity ({method}, {len(sensitivity_ratios)} ratios per layer)",
+                                  **options)
         ranks, tau = choose_by_threshold(sweep["table"], shapes, need)
         out = Allocation(strategy, method, ratio, ranks, 0, total, evaluations=sweep["evaluations"],
                          details={"threshold": tau, "base_loss": sweep["base"], "from_cache": sweep["from_cache"],

@@ -435,7 +435,7 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
                       min_alpha: float = MIN_ALPHA, mff_options: dict | None = None, regularization: str = "diag",
                       alpha: float | None = None, asvd_alpha: float = 0.5, cache: bool = True, cache_dir=None,
                       decompositions=None, progress: bool = False, metric: str = "loss",
-                      temperature: float = 1.0) -> dict:
+                      temperature: float = 1.0, label: str | None = None) -> dict:
     """Loss increase on ``heldout`` of compressing each layer alone at each candidate per-layer ratio.
 
     Each layer is factorised as :func:`fisherkron.compress` would with the same options. Returns
@@ -453,7 +453,8 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
     (:func:`decompose_layer`). ``metric="kl"`` measures :class:`OutputKL` (at ``temperature``)
     instead of the loss: the table then holds each compressed model's KL divergence from the dense
     outputs, ``base`` is 0 and one more evaluation records the dense outputs; ``loss_fn`` and
-    ``loss_name`` do not apply.
+    ``loss_name`` do not apply. ``label`` names the progress bar after the allocation that runs the
+    sweep (default ``"sensitivity (<method>)"``).
     """
     method_row(method)
     if metric not in METRICS:
@@ -514,7 +515,7 @@ def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | N
                           evaluations=pending + 1, seconds=time.perf_counter() - t0)
             pending, t0 = 0, time.perf_counter()
             keep()
-        bar = tqdm(total=len(todo) * len(ratios), desc=f"sensitivity ({method})", disable=not progress)
+        bar = tqdm(total=len(todo) * len(ratios), desc=label or f"sensitivity ({method})", disable=not progress)
         for name in todo:
             dec, _ = factorise(mods[name], method, stats, name, **options)
             row = {}

@@ -12,6 +12,10 @@ target whole-model compression ratio ``1 - params_after / params_before``
 met by a uniform per-layer ratio (:mod:`fisherkron.hf.budget`) or allocated across layers
 (:mod:`fisherkron.hf.allocation`). Imports run one way: surgery -> allocation -> budget.
 
+Called without a method, :func:`compress` runs the recommended recipe,
+:data:`fisherkron.hf.allocation.RECOMMENDED` (KFAC-SVD; for a target ratio, the KL-calibrated
+allocation), whose docstring states the rule that chose it and the studies it rests on.
+
 Only dense ``nn.Linear`` layers are factorised. In a model compressed before, each
 ``LowRankLinear`` is selected by a layer pattern as the layer it stands for and left as it
 is (the report's ``already_lowrank``, and a warning); a selection of such layers alone is
@@ -43,13 +47,19 @@ FACTORISED = (LowRankLinear, SharedBasisLinear)
 from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
 from . import speed
-from .allocation import Allocation, Decompositions, allocate, check_options
+from .allocation import (GFWSVD_RECIPE, RECOMMENDED, Allocation, Decompositions, Recipe, allocate, check_options,
+                         describe)
 from .budget import check_factor_memory, check_ratio, count_params, drop_shared, params_after, plan_ranks
 from .calibration import CalibrationStats, select_layers
 
-__all__ = ["compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport"]
+__all__ = ["compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport", "Recipe", "RECOMMENDED",
+           "GFWSVD_RECIPE"]
 
 log = logging.getLogger(__name__)
+#: what a report keeps of an allocation's details (``{key there: key in the report}``): what it measured, the
+#: Kronecker factors of its curves, how its ranks were solved
+_REPORTED = {k: k for k in ("calibrate_metric", "calibrate_ratio", "kl_temperature", "depth_gamma", "solver", "optimal",
+                            "threshold", "from_cache")} | {"metric": "fisher_factors"}
 
 @dataclass
 class LayerReport:
@@ -73,7 +83,13 @@ class LayerReport:
 
 @dataclass
 class CompressionReport:
-    """Parameter counts of the whole model and of the selected layers, before and after."""
+    """Parameter counts of the whole model and of the selected layers, before and after, and what ran.
+
+    ``allocation`` is the strategy that chose the ranks (``"uniform"`` for ``rank=``, ``ranks=``
+    or a uniform ratio), ``allocation_details`` what it measured (``calibrate_metric``,
+    ``calibrate_ratio``, ...), ``recipe`` ``"recommended"`` when the method and allocation are
+    :data:`~fisherkron.hf.allocation.RECOMMENDED`'s (whether asked for by name or by default).
+    """
 
     method: str
     params_before: int
@@ -86,6 +102,8 @@ class CompressionReport:
     allocation: str = "uniform"
     allocation_cost: dict | None = None
     already_lowrank: dict[str, int] = field(default_factory=dict)  # selected layers left as they were: name -> rank
+    allocation_details: dict = field(default_factory=dict)
+    recipe: str | None = None
 
     @property
     def ratio(self) -> float:
@@ -109,7 +127,9 @@ class CompressionReport:
     def __str__(self) -> str:
         alphas = [a for lr in self.layers.values() for a in (lr.alpha_A, lr.alpha_B) if a is not None]
         done = sum(lr.skipped is None for lr in self.layers.values())
-        s = (f"{self.method}: {done}/{len(self.layers)} layers factorised; model {self.params_before:,} -> "
+        s = (f"{describe(self.method, self.allocation, self.allocation_details.get('calibrate_metric'))}"
+             f"{' (the recommended recipe)' if self.recipe == 'recommended' else ''}: "
+             f"{done}/{len(self.layers)} layers factorised; model {self.params_before:,} -> "
              f"{self.params_after:,} params (ratio {self.ratio:.2%}); layers {self.layer_params_before:,} -> "
              f"{self.layer_params_after:,} (ratio {self.layers_ratio:.2%})")
         if alphas:
@@ -192,7 +212,42 @@ def _selected_layers(model: nn.Module, layers, stats: CalibrationStats | None) -
     return dense, already
 
 
-def compress(model: nn.Module, method: str, stats: CalibrationStats | None = None, layers=None, *,
+def _resolve(method, stats, layers, ratio, allocation) -> tuple[str, CalibrationStats | None, object, object, bool]:
+    """``(method, stats, layers, allocation, by_default)``: the arguments as given, or the recommended recipe's.
+
+    ``compress(model, stats, ...)`` (no method) shifts the positional arguments; a method left
+    out is :data:`RECOMMENDED`'s, and so is the allocation of a target ``ratio`` when it is left
+    out too; a method named keeps the uniform allocation unless one is named (as before).
+    """
+    if isinstance(method, CalibrationStats):  # compress(model, stats[, layers])
+        if layers is not None:
+            raise FisherkronError("compress(model, stats, layers, ...) takes no fourth positional argument; pass "
+                                  "the method by name: compress(model, 'gfwsvd', stats, layers, ...)")
+        if isinstance(stats, CalibrationStats):
+            raise FisherkronError("the statistics were given twice (as the second argument and as stats=)")
+        method, stats, layers = None, method, stats
+    if method is not None:
+        return method, stats, layers, allocation, False
+    if allocation is None and ratio is not None:
+        allocation = RECOMMENDED.allocation
+    return RECOMMENDED.method, stats, layers, allocation, True
+
+
+def _recipe_needs(stats: CalibrationStats | None, row) -> None:
+    """The one-line error when the recommended recipe, run by default, lacks its statistics."""
+    try:
+        if stats is None:
+            raise FisherkronError("no calibration statistics were given")
+        for stat in row.needs:
+            stats._need(stat)
+    except FisherkronError as err:
+        raise FisherkronError(f"compress() without a method runs the recommended recipe ({RECOMMENDED.describe()}), "
+                              f"which reads the statistics {', '.join(map(repr, row.needs))}: {err}; pass stats=collect_calibration(model, "
+                              f"batches, methods=['{RECOMMENDED.method}']), or name the method the statistics "
+                              f"were collected for (compress(model, 'gfwsvd', stats, ...))") from None
+
+
+def compress(model: nn.Module, method: str | None = None, stats: CalibrationStats | None = None, layers=None, *,
              rank: int | None = None, ranks: dict[str, int] | None = None, ratio: float | None = None,
              regularization: str = "diag", alpha: float | None = None, min_alpha: float = MIN_ALPHA,
              asvd_alpha: float = 0.5,
@@ -205,12 +260,20 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
 
     GFWSVD (Theorem 1, Eq. (7)): ``W_r = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}`` with
     ``A (x) B`` from :func:`fisherkron.mff` on the layer's ``k`` batch gradients
-    (warm-started from K-FAC) and ``A``/``B`` regularised until Cholesky exists.
+    (warm-started from K-FAC) and ``A``/``B`` regularised until Cholesky exists; KFAC-SVD the
+    same transform with the K-FAC factors ``E[x x^T]``, ``E[delta delta^T]``.
+
+    ``compress(model, stats, ratio=0.2, allocation_options={"heldout": batches})`` (no method)
+    runs the recommended recipe, :data:`~fisherkron.hf.allocation.RECOMMENDED`: KFAC-SVD with the
+    KL-calibrated allocation, which measures each layer once on the held-out batches (drawn from
+    documents the calibration did not see). ``compress(model, method, stats, ...)`` as before.
 
     Args:
         model: the model; changed in place once every layer has been factorised
             (on an error it is left as it was).
-        method: one of :data:`fisherkron.METHODS`.
+        method: one of :data:`fisherkron.METHODS`; default ``None``: the recommended recipe's
+            (``RECOMMENDED.method``), and for a target ``ratio`` with no ``allocation`` its
+            allocation too. The statistics may be the second positional argument then.
         stats: calibration statistics (all methods but ``svd`` need them).
         layers: regex/glob pattern(s); default: the layers in ``stats`` (or the paper's).
             Only dense ``nn.Linear`` layers are factorised: a selected ``LowRankLinear`` (from
@@ -228,11 +291,14 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         mff_options: keyword arguments of :func:`fisherkron.mff` (``tol``, ``max_matvecs``, ...).
         skip_unprofitable: keep a layer dense when ``r (n + m) >= n m`` (no saving).
         allocation: with ``ratio``, how the per-layer ranks are chosen: ``"uniform"`` (the
-            default), ``"sensitivity"`` (ASVD's measured procedure, the paper's; needs
+            default when a method is named; without one, ``RECOMMENDED.allocation``),
+            ``"sensitivity"`` (ASVD's measured procedure, the paper's; needs
             ``allocation_options={"heldout": batches}``), ``"fisher"`` (Theorem 1's predicted
             loss increase, no model evaluation), ``"calibrated"`` (Theorem 1's curves scaled through
-            one measured point per layer, exact integer program) or ``"lems"`` (LEMS's allocation);
-            or an :class:`~fisherkron.hf.allocation.Allocation` computed before. Layers the allocation keeps dense stay ``nn.Linear``.
+            one measured point per layer, exact integer program; needs ``heldout`` too) or
+            ``"lems"`` (LEMS's allocation; needs ``heldout``); or an
+            :class:`~fisherkron.hf.allocation.Allocation` computed before. Layers the allocation
+            keeps dense stay ``nn.Linear``.
         allocation_options: keyword arguments of :func:`fisherkron.hf.allocation.allocate` that
             compress does not set itself (:data:`~fisherkron.hf.allocation.OPTIONS`: ``heldout``,
             ``loss_fn``, ``loss_name``, ``sensitivity_ratios``, ``cache``, ``cache_dir``, and for
@@ -259,9 +325,13 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
         progress: tqdm bar over layers.
 
     Returns:
-        :class:`CompressionReport` with whole-model and per-layer counts and alphas.
+        :class:`CompressionReport` with whole-model and per-layer counts and alphas, the allocation
+        that ran and what it measured.
     """
+    method, stats, layers, allocation, by_default = _resolve(method, stats, layers, ratio, allocation)
     row = method_row(method)
+    if by_default and row.needs:
+        _recipe_needs(stats, row)
     if row.needs:
         if stats is None:
             raise FisherkronError(f"method {method} needs calibration statistics: pass stats=collect_calibration(...)")
@@ -317,6 +387,9 @@ def compress(model: nn.Module, method: str, stats: CalibrationStats | None = Non
     if alloc is not None:
         report.allocation_cost = {"evaluations": alloc.evaluations, "seconds": alloc.seconds,
                                   "sweep_seconds": alloc.details.get("sweep_seconds", 0.0)}
+        report.allocation_details = {_REPORTED[k]: alloc.details[k] for k in _REPORTED if k in alloc.details}
+    if RECOMMENDED.matches(method, report.allocation, report.allocation_details.get("calibrate_metric")):
+        report.recipe = "recommended"
     opts = dict(mff_options or {})
     new: dict[str, LowRankLinear] = {}
     for name in tqdm(names, desc=f"compress ({method})", disable=not progress):
