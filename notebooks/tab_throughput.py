@@ -14,13 +14,16 @@
 # %% [markdown]
 # # FLOPs and inference speed of compressed models (paper Sec. 6.3 and App. F; Tabs. flops_comparison, throughput_fwsvd, throughput_forward)
 #
-# **Claim (paper).** Factorising $W$ ($n\times m$) into $W_2W_1$ of rank $r$ cuts a layer's cost from
-# $\mathcal O(nm)$ to $\mathcal O(r(n+m))$ (App. F, Tab. flops_comparison, Llama-2-7B-chat), and
-# it shows in wall time: FWSVD-compressed Llama-2-7B-chat runs at 1.07x the tokens/s at 10 % and
-# 1.34x at 50 % (Tab. throughput_fwsvd: A100, batch 1, 1,024 tokens), and GFWSVD's latency per
-# token at batch 16 and 64 falls by 1.49x and 1.59x at 50 % (Tab. throughput_forward).
+# **Claim (paper Sec. 6.3, App. F).** Factorising $W$ ($n\times m$) into $W_2W_1$ of rank $r$ cuts a
+# layer's cost from $\mathcal O(nm)$ to $\mathcal O(r(n+m))$ (Tab. flops_comparison, Llama-2-7B-chat), and
+# it shows in wall time: FWSVD-compressed Llama-2-7B-chat runs at 1.07x the tokens/s at 10 % and 1.34x at
+# 50 % (Tab. throughput_fwsvd: A100, batch 1, 1,024 tokens), and GFWSVD's latency per token at batch 16
+# and 64 falls by 1.49x and 1.59x at 50 % (Tab. throughput_forward).
+
+# %% [markdown]
+# ## Experiment
 #
-# **Experiment.** The embedded SmolLM2-135M (Llama role) is compressed by `method` (GFWSVD, with
+# The embedded SmolLM2-135M (Llama role) is compressed by `method` (GFWSVD, with
 # the rank-allocation study's cached calibration) at the whole-model ratios `ratios`, with one
 # per-layer ratio for every linear layer of the blocks (**uniform ranks**, not the paper's
 # sensitivity allocation: speed depends only on the ranks, and uniform ranks are the same for
@@ -51,7 +54,7 @@
 # it); right, the speedup of each factorised layer shape against its FLOP speedup. The tables
 # carry the numbers and the paper's beside ours.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "hide-input"]
 # Each value: the embedded default (`make all`, 2 CPU cores); the paper-scale value in the comment
 # (`make all PROFILE=paper`, notebooks/params/tab_throughput.paper.yaml).
 output_dir = "figures"  # paper: "figures/paper"
@@ -82,9 +85,9 @@ keep_dense_ratios = [0.1, 0.5]  # ratios also compressed with min_speedup; paper
 min_speedup = 1.0  # keep a layer dense unless factorising it speeds it up at least this much; paper: 1.0
 extra_flops_model = "meta-llama/Llama-2-7b-chat-hf"  # FLOPs from its config (no weights); paper: None (it is the model)
 extra_flops_ratios = [0.0, 0.1, 0.15, 0.2, 0.4, 0.5]  # the ratios of the paper's table; paper: same
-target = 0.8  # issue target: the batch-1 speedup at the largest ratio is at least target x its FLOP speedup
+target = 0.8  # our target: the batch-1 speedup at the largest ratio is at least target x its FLOP speedup
 
-# %%
+# %% tags=["hide-input"]
 import copy
 import gc
 import time
@@ -93,6 +96,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
+import transformers
 from IPython.display import Markdown, display
 
 import fisherkron as fk
@@ -101,6 +105,8 @@ from fisherkron.experiments import throughput as tp
 from fisherkron.hf.allocation import Decompositions
 from fisherkron.hf.speed import forward_flops
 
+transformers.logging.set_verbosity_error()  # no load report
+transformers.utils.logging.disable_progress_bar()
 started = time.perf_counter()
 params = {k_: v for k_, v in dict(globals()).items()
           if k_ in ("profile", "model_name", "method", "ratios", "layers", "k", "batch_size", "seq_len", "calib_docs",
@@ -117,7 +123,7 @@ print(f"{model_name}: {fk.count_params(model):,} parameters; method {method}"
 # %% [markdown]
 # ## FLOPs of one forward pass (Tab. flops_comparison)
 
-# %%
+# %% tags=["hide-input"]
 frames = []
 rows = tp.flop_rows(model, ratios, batch_size=1, seq_len=flop_seq_len, layers=layers)
 frames.append(pd.DataFrame(rows).assign(model=model_name))
@@ -154,7 +160,7 @@ display(Markdown(flop_table.to_markdown(index=False, floatfmt=".4g")))
 # Each model is compressed from a copy of the dense one (one weighted SVD per layer, shared by all
 # ratios), moved to `device` in `dtype`, timed, and freed.
 
-# %%
+# %% tags=["hide-input"]
 dev = torch.device(device)
 dec = Decompositions()
 cases = [(r, None) for r in ratios] + [(r, min_speedup) for r in keep_dense_ratios]
@@ -196,7 +202,7 @@ for b in decode_batches:
     meas[f"decode{b}_speedup"] = base[f"decode{b}_ms"] / meas[f"decode{b}_ms"]
     meas[f"decode{b}_flop_speedup"] = base[f"decode{b}_flops"] / meas[f"decode{b}_flops"]
 
-# %%
+# %% tags=["hide-input"]
 label = [f"{100 * r:g}%" + (" (keep dense)" if kd else "") for r, kd in zip(meas.target_ratio, meas.keep_dense)]
 paper_tps = [tp.PAPER_TOKENS_PER_S.get(r, np.nan) if not kd else np.nan for r, kd in zip(meas.target_ratio, meas.keep_dense)]
 tab_fw = pd.DataFrame({
@@ -249,7 +255,10 @@ figures.save_table(lay, "tab_throughput_layers", output_dir, params, started=sta
                                "flop_speedup": "rel=1e-9", "slower": "timing"})
 display(lay.pivot_table(index=["n", "m", "ratio", "rank"], columns="tokens", values="speedup"))
 
-# %%
+# %% [markdown]
+# ## Fig. throughput: measured speedup against FLOP speedup
+
+# %% tags=["hide-input"]
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.6))
 plain = meas[~meas.keep_dense]
 series = [("forward", f"forward, batch {forward_batch} x {forward_seq_len} tokens", "o")]
@@ -282,12 +291,12 @@ a2.set_title("each factorised layer shape alone (below 1: slower than dense)", f
 a2.legend(fontsize="x-small")
 a2.grid(alpha=0.3)
 fig.tight_layout()
-figures.save_figure(fig, "fig_throughput", output_dir, params, started=started, notebook="notebooks/tab_throughput.py")
+figures.save_figure(fig, "fig_throughput", output_dir, params, started=started, notebook="notebooks/tab_throughput.py");
 
 # %% [markdown]
 # ## Verdicts (computed from the numbers above)
 
-# %%
+# %% tags=["hide-input"]
 lines, verdict = [], {}
 top = plain.sort_values("target_ratio").iloc[-1]
 eff = top["forward_speedup"] / top["forward_flop_speedup"]
@@ -337,4 +346,4 @@ display(Markdown("\n".join(lines)))
 figures.write_provenance(output_dir, "tab_throughput_summary",
                          figures.provenance("tab_throughput_summary", params, started=started,
                                             notebook="notebooks/tab_throughput.py",
-                                            extra={"verdict": verdict, "lines": lines}))
+                                            extra={"verdict": verdict, "lines": lines}));
