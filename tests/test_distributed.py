@@ -261,7 +261,7 @@ def test_torchrun_compress_command(tmp_path):
 
     tiny_llama, _, _ = _calibration_setup()
     folder = _save(tiny_llama(), tmp_path / "llama")
-    args = [folder, "--k", "3", "--batch-size", "2", "--seq-len", "16", "--rank", "2",
+    args = [folder, "--method", "gfwsvd", "--k", "3", "--batch-size", "2", "--seq-len", "16", "--rank", "2",
             "--cache-dir", tmp_path / "cache", "--mff-parallel", "batches", "--dist-timeout", "30"]
     got = _ok(run_ranks(HERE, "cli_on_ranks", 2, tmp_path, ["compress", *args, "--out", tmp_path / "two"],
                         join=False, env={"FISHERKRON_DATA": str(tmp_path / "data")}))
