@@ -98,7 +98,7 @@ clean-venv: ## remove the virtual environment
 # training modules (learned truncation, LoRA recovery) are $(HF_TRAIN_SRC), left out of $(HF_SRC):
 # only the extra-compression study calls them (the others import them through fisherkron.hf's
 # re-exports and never run them), so a change to them re-runs that study alone.
-CORE_SRC := $(sort $(wildcard fisherkron/core/*.py fisherkron/*.py)) fisherkron/experiments/figures.py
+CORE_SRC := $(sort $(wildcard fisherkron/core/*.py fisherkron/*.py)) fisherkron/repro/figures.py
 HF_TRAIN_SRC := fisherkron/hf/truncation.py fisherkron/hf/recovery.py fisherkron/hf/training.py
 HF_SRC   := $(filter-out $(HF_TRAIN_SRC),$(sort $(wildcard fisherkron/hf/*.py fisherkron/hf/*/*.py)))
 EXP      := fisherkron/experiments

@@ -1,6 +1,6 @@
 # Sphinx configuration of the book (`make book`, mk/book.mk).
 #
-# `python -m fisherkron.experiments.book sources build/book/src` copies this file into the source
+# `python -m fisherkron.repro.book sources build/book/src` copies this file into the source
 # folder it writes (the pages, the index, MathJax); sphinx-build renders that folder into
 # build/book/html. MyST-NB reads the notebooks and never executes one: a page shows the committed
 # outputs of notebooks/executed/<name>.ipynb, or the source of a notebook not run yet. Nothing in

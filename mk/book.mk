@@ -1,23 +1,25 @@
-# The book (issue 24): the committed executed notebooks as a static HTML site, and its browser test.
+# The book: the committed executed notebooks as a static HTML site, and its browser test.
 #
 # `make book` renders build/book/html/ from committed files only (notebooks/executed/*.ipynb,
-# notebooks/*.py, figures/, README.md; nothing is executed) with Sphinx and MyST-NB (book/conf.py);
-# fisherkron.experiments.book writes the Sphinx sources into build/book/src/ first (the pages in
-# the paper's order, the index with the README's reproduction table, MathJax 3 copied from the
-# django-static-mathjax package, so the site needs no network). Warnings are errors. The site is
+# notebooks/*.py, figures/, data/verify/, book/; nothing is executed) with Sphinx and MyST-NB
+# (book/conf.py); fisherkron.repro.book writes the Sphinx sources into build/book/src/ first (the
+# results page, the notebook pages in the paper's order each opening with its claim and result, the
+# guide and the reproduction page with their tables rendered from the records, MathJax 3 copied from
+# the django-static-mathjax package, so the site needs no network). Warnings are errors. The site is
 # built into html.tmp/ and moved into place. No notebook ever runs (see BOOK_INPUTS).
 #
 # `make book-test` opens every page in headless Chromium (Debian's chromium; installed with apt-get
 # when missing) from a local HTTP server: tests/test_book_browser.py fails on a console error, a
-# broken image or link, mathematics left untypeset, or a request to any address outside the machine,
-# and keeps a screenshot of the teaching page in build/book/screenshots/.
+# broken image or link, mathematics left untypeset, a request to any address outside the machine, a
+# page or table wider than it should be, an illegible figure, a build-machine path, or a notebook page
+# without its result on the first screen; it keeps screenshots in build/book/screenshots/.
 BOOK      := build/book
 BOOK_HTML := $(BOOK)/html
 # The inputs are read, never made: figures/ and notebooks/executed/ are outputs of the notebook
 # rules, so they are not prerequisites (make would run a notebook whose sources are newer than its
 # figures). `book` is rebuilt when the list of inputs, a size or a time of change differs from the
 # last build's (build/book/inputs.sha1), so a second `make book` does nothing.
-BOOK_INPUTS = $(sort $(wildcard book/* book/static/* README.md fisherkron/experiments/book/*.py fisherkron/repro/*.py \
+BOOK_INPUTS = $(sort $(wildcard book/* book/static/* README.md fisherkron/repro/book/*.py fisherkron/repro/*.py \
                 notebooks/*.py notebooks/executed/*.ipynb figures/*.png figures/*.md figures/*.csv figures/*.provenance.json \
                 figures/bench/* data/verify/*.json))
 CHROMIUM  ?= chromium
@@ -30,7 +32,7 @@ book: | $(STAMP) ## the executed notebooks as a static HTML site in build/book/h
 	if [ -f $(BOOK_HTML)/index.html ] && [ "$$(cat $(BOOK)/inputs.sha1 2>/dev/null)" = "$$inputs" ]; then \
 	  echo "[book] $(BOOK_HTML)/ is up to date"; exit 0; fi; \
 	start=$$SECONDS; rm -rf $(BOOK)/src $(BOOK)/doctrees $(BOOK_HTML).tmp $(BOOK)/inputs.sha1; \
-	$(PY) -m fisherkron.experiments.book sources $(BOOK)/src; \
+	$(PY) -m fisherkron.repro.book sources $(BOOK)/src; \
 	$(PY) -m sphinx -b html -q -W --keep-going -d $(BOOK)/doctrees $(BOOK)/src $(BOOK_HTML).tmp; \
 	rm -rf $(BOOK_HTML); mv $(BOOK_HTML).tmp $(BOOK_HTML); echo "$$inputs" > $(BOOK)/inputs.sha1; \
 	echo "[book] $(BOOK_HTML)/index.html built in $$((SECONDS - start)) s"

@@ -37,9 +37,9 @@ NOTEBOOKS :=
 fig = $(foreach s,$1,$(FIGDIR)/$s.png $(FIGDIR)/$s.pdf $(FIGDIR)/$s.provenance.json)
 tab = $(foreach s,$1,$(FIGDIR)/$s.csv $(FIGDIR)/$s.md $(FIGDIR)/$s.tex $(FIGDIR)/$s.provenance.json)
 
-# The executed notebooks a reader sees without running anything (issue 24; `make book` renders
+# The executed notebooks a reader sees without running anything (`make book` renders
 # them): a run at PROFILE=default that writes FIGDIR=figures also writes the committed copy
-# notebooks/executed/<name>.ipynb (python -m fisherkron.experiments.book strip: timing metadata and
+# notebooks/executed/<name>.ipynb (python -m fisherkron.repro.book strip: timing metadata and
 # random cell ids removed, written atomically). For that run the committed copy, not the one in
 # build/, is the target make tracks beside the figures, so a fresh clone has nothing to run. Any
 # other profile or FIGDIR (smoke, paper, a re-execution into build/ such as `make verify`) never
@@ -50,16 +50,16 @@ nb_commits = $(and $(filter default,$(PROFILE)),$(filter figures,$(FIGDIR)),$(fi
 nb_executed = $(if $(nb_commits),$(NB_EXECUTED)/$1.ipynb,$(NB_BUILD)/$1.ipynb)
 
 # $(call run_notebook,NAME,OUTPUTS[,COMMITTED]): execute one notebook with
-# fisherkron.experiments.execute (jupytext, then papermill with the profile's parameters; the one
+# fisherkron.repro.execute (jupytext, then papermill with the profile's parameters; the one
 # definition of how, which `make verify` runs too): the executed .ipynb is written under a temporary
 # name and moved into place, a failed run leaves build/.../NAME.failed.ipynb. Every declared output
 # must exist afterwards. The notebook's stderr (progress bars) streams into $(NB_BUILD)/NAME.progress.log.
 # With COMMITTED (notebooks/executed/NAME.ipynb, see above) the stripped committed copy is written there too.
 define run_notebook
 	@echo "[notebook] $1 (PROFILE=$(PROFILE), outputs in $(FIGDIR)/)"
-	$(PY) -m fisherkron.experiments.execute $1 --profile $(PROFILE) --figdir $(FIGDIR) --build $(NB_BUILD)
+	$(PY) -m fisherkron.repro.execute $1 --profile $(PROFILE) --figdir $(FIGDIR) --build $(NB_BUILD)
 	@for f in $2; do test -e "$$f" || { echo "[notebook] $1 did not write $$f" >&2; exit 1; }; done
-	$(if $3,$(PY) -m fisherkron.experiments.book strip $(NB_BUILD)/$1.ipynb $3)
+	$(if $3,$(PY) -m fisherkron.repro.book strip $(NB_BUILD)/$1.ipynb $3)
 endef
 
 # $(eval $(call notebook,NAME,OUTPUTS,EXTRA_PREREQS))
@@ -105,7 +105,7 @@ fig_singular_values: ## Fig. singular_values (Sec. 4): top singular values of R(
 $(eval $(call notebook,tab_throughput,$(call tab,tab_flops_comparison tab_throughput_fwsvd tab_throughput_forward tab_throughput_layers) $(call fig,fig_throughput) $(FIGDIR)/tab_throughput_summary.provenance.json,$(HF_SRC) $(EXP)/throughput.py))
 tab_throughput: ## Tabs. flops_comparison, throughput_fwsvd, throughput_forward (App. F): FLOPs and measured speed of compressed SmolLM2
 
-# Calibration at scale on SmolLM2: cost and quality against k and granularity (issue "calibration at the paper's scale").
+# Calibration at scale on SmolLM2: cost and quality against k and granularity.
 $(eval $(call notebook,fig_calibration,$(call fig,fig_calibration) $(call tab,tab_calibration tab_calibration_cost) $(FIGDIR)/fig_calibration_summary.provenance.json,$(HF_SRC) $(EXP)/calibration_study.py))
 fig_calibration: ## calibration at scale: GFWSVD / KFAC-SVD / SVD-LLM against k and granularity, cost against the 15-min target (about 85 min cold on 2 Intel Xeon cores, its last 25 min beside another run)
 

@@ -1,8 +1,8 @@
-# `make verify` (issue 24): re-execute notebooks into build/verify/ (never figures/, never the executed
+# `make verify`: re-execute notebooks into build/verify/ (never figures/, never the executed
 # notebooks of build/notebooks/) and compare every value of every table they write with the committed
 # figures/<table>.csv, within the tolerance each column declares (save_table(..., tolerances=...), recorded
-# in the table's provenance record; see fisherkron/experiments/tolerance.py). One line per table, then every
-# value outside its tolerance; exits non-zero if any. Logic: fisherkron/experiments/verify.py.
+# in the table's provenance record; see fisherkron/repro/tolerance.py). One line per table, then every
+# value outside its tolerance; exits non-zero if any. Logic: fisherkron/repro/verify.py.
 #   make verify                  every notebook (hours from empty caches: the decoder and GLUE studies)
 #   make verify NB=fig_time_algo one notebook (or several: NB="a b")
 #   make verify-quick            the notebooks that run in minutes from empty caches (<= 20 min on 2 cores)
@@ -21,9 +21,9 @@ NB ?=
 
 .PHONY: verify verify-quick
 verify: | $(STAMP) ## re-run notebooks into build/verify/ and compare their tables with figures/ within declared tolerances (NB=name for one)
-	$(PY) -m fisherkron.experiments.verify --scratch $(VERIFY_DIR) --data $(VERIFY_DATA) --nb "$(or $(NB),$(NOTEBOOKS))" \
+	$(PY) -m fisherkron.repro.verify --scratch $(VERIFY_DIR) --data $(VERIFY_DATA) --nb "$(or $(NB),$(NOTEBOOKS))" \
 	  $(if $(VERIFY_RECORD),--record $(VERIFY_RECORD))
 
 verify-quick: | $(STAMP) ## `make verify` for the notebooks that run in minutes from empty caches (<= 20 min on 2 cores)
-	$(PY) -m fisherkron.experiments.verify --scratch $(VERIFY_DIR) --data $(VERIFY_DATA) --nb "$(VERIFY_QUICK)" \
+	$(PY) -m fisherkron.repro.verify --scratch $(VERIFY_DIR) --data $(VERIFY_DATA) --nb "$(VERIFY_QUICK)" \
 	  --budget $(VERIFY_QUICK_BUDGET_S) $(if $(VERIFY_RECORD),--record $(VERIFY_RECORD))

@@ -77,7 +77,7 @@ import transformers
 from IPython.display import Markdown, display
 
 from fisherkron.experiments import allocation_cost as ac
-from fisherkron.experiments import figures
+from fisherkron.repro import figures
 from fisherkron.experiments import llm_compression as lc
 from fisherkron.experiments import llm_summary as ls
 from fisherkron.hf.allocation import fisher_curves

@@ -91,7 +91,7 @@ from IPython.display import Markdown, display
 
 from fisherkron.env import REPO_ROOT
 from fisherkron.experiments import calibration_study as cs
-from fisherkron.experiments import figures
+from fisherkron.repro import figures
 
 transformers.logging.set_verbosity_error()  # no load report
 transformers.utils.logging.disable_progress_bar()

@@ -88,7 +88,8 @@ import transformers
 from IPython.display import Markdown, display
 from scipy.stats import spearmanr
 
-from fisherkron.experiments import figures, rank_allocation
+from fisherkron.experiments import rank_allocation
+from fisherkron.repro import figures
 
 transformers.logging.set_verbosity_error()  # no load report
 transformers.utils.logging.disable_progress_bar()

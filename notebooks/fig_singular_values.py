@@ -78,7 +78,8 @@ import pandas as pd
 import transformers
 from IPython.display import Markdown, display
 
-from fisherkron.experiments import figures, spectrum
+from fisherkron.experiments import spectrum
+from fisherkron.repro import figures
 
 transformers.logging.set_verbosity_error()  # no load report (MiniLM's classification head is new)
 transformers.utils.logging.disable_progress_bar()

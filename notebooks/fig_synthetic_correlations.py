@@ -74,7 +74,8 @@ import pandas as pd
 import torch
 from IPython.display import Markdown, display
 
-from fisherkron.experiments import figures, synthetic
+from fisherkron.experiments import synthetic
+from fisherkron.repro import figures
 
 started = time.perf_counter()
 torch.set_num_threads(threads)

@@ -67,7 +67,7 @@ import torch
 
 import fisherkron as fk
 from fisherkron.experiments import benchmark as bench
-from fisherkron.experiments.figures import save_figure, save_table
+from fisherkron.repro.figures import save_figure, save_table
 
 started = time.perf_counter()
 params = dict(device=device, sizes=sizes, k_sizes=k_sizes, k_values=k_values, k_sweep_size=k_sweep_size,

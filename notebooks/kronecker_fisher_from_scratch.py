@@ -96,7 +96,7 @@ import transformers
 from torch import nn
 
 from fisherkron import hf
-from fisherkron.experiments import figures
+from fisherkron.repro import figures
 from fisherkron.experiments import teaching as tc
 from fisherkron.experiments.synthetic_gradients import synthetic_gradients
 from fisherkron.testing import FLOAT64  # exact identities, up to float64 round-off

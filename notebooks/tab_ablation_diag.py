@@ -73,7 +73,7 @@ import transformers
 from IPython.display import Markdown, display
 from tqdm.auto import tqdm
 
-from fisherkron.experiments import figures
+from fisherkron.repro import figures
 from fisherkron.experiments import llm_compression as lc
 from fisherkron.experiments import llm_summary as ls
 

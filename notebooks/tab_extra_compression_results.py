@@ -116,7 +116,7 @@ import transformers
 from IPython.display import Markdown, display
 
 from fisherkron.experiments import extra_compression as xc
-from fisherkron.experiments import figures
+from fisherkron.repro import figures
 from fisherkron.experiments import llm_compression as lc
 from fisherkron.experiments import llm_summary as ls
 

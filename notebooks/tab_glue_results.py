@@ -82,7 +82,8 @@ import pandas as pd
 import transformers
 from IPython.display import Markdown, display
 
-from fisherkron.experiments import figures, glue
+from fisherkron.experiments import glue
+from fisherkron.repro import figures
 from fisherkron.experiments import glue_summary as gs
 
 transformers.logging.set_verbosity_error()

@@ -100,7 +100,7 @@ import transformers
 from IPython.display import Markdown, display
 
 import fisherkron as fk
-from fisherkron.experiments import figures
+from fisherkron.repro import figures
 from fisherkron.experiments import throughput as tp
 from fisherkron.hf.allocation import Decompositions
 from fisherkron.hf.speed import forward_flops

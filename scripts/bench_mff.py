@@ -24,7 +24,7 @@ import torch
 from fisherkron.core.conventions import FisherkronError
 from fisherkron.experiments.benchmark import (bench_case, gemm_peak, minilm_calibration, peak_rss_mib,
                                               whole_model)
-from fisherkron.experiments.figures import save_figure, save_table
+from fisherkron.repro.figures import save_figure, save_table
 from fisherkron.experiments.synthetic_gradients import synthetic_gradients
 
 

@@ -1,4 +1,4 @@
-"""The allocation study of issue 22 (experiments.allocation_cost and the measured cases of llm_compression):
+"""The allocation study (experiments.allocation_cost and the measured cases of llm_compression):
 the cost bookkeeping, predictions against a hand sum, the target rule on a known table, and the measured
 allocations end to end on a tiny random Llama (cached, keyed by what they measure, costs recorded)."""
 import math

@@ -12,9 +12,9 @@ import nbformat
 import pytest
 
 from fisherkron.core.conventions import FisherkronError
-from fisherkron.experiments.book import sources
+from fisherkron.repro.book import sources
 from fisherkron.repro import claims
-from fisherkron.experiments.book.executed import strip_volatile, write_executed
+from fisherkron.repro.book.executed import strip_volatile, write_executed
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.py"))
@@ -75,7 +75,7 @@ def test_every_notebook_has_a_place_in_the_books_order():
     assert len(set(placed)) == len(placed)
     assert placed[0] == "kronecker_fisher_from_scratch"  # the teaching notebook opens the book
     missing = sorted(set(NOTEBOOKS) - set(placed))
-    assert not missing, f"add these notebooks to PAGES in fisherkron/experiments/book/sources.py: {missing}"
+    assert not missing, f"add these notebooks to PAGES in fisherkron/repro/book/sources.py: {missing}"
     assert set(placed) <= set(NOTEBOOKS), sorted(set(placed) - set(NOTEBOOKS))
 
 
@@ -148,8 +148,8 @@ def _make_dry_run(*args: str) -> str:
 ])
 def test_only_a_default_run_into_figures_writes_the_committed_executed_notebook(overrides, commits):
     plan = _make_dry_run("-B", "fig_time_algo", *overrides)
-    assert "fisherkron.experiments.execute fig_time_algo" in plan  # the notebook runs
-    committed = "fisherkron.experiments.book strip build/notebooks/default/fig_time_algo.ipynb " \
+    assert "fisherkron.repro.execute fig_time_algo" in plan  # the notebook runs
+    committed = "fisherkron.repro.book strip build/notebooks/default/fig_time_algo.ipynb " \
                 "notebooks/executed/fig_time_algo.ipynb"
     assert (committed in plan) == commits, plan
     assert ("notebooks/executed/" in plan) == commits

@@ -1,4 +1,4 @@
-"""The book in a real browser (issue 24, item 4): `make book-test` runs this file.
+"""The book in a real browser: `make book-test` runs this file.
 
 Headless Chromium (Debian's ``chromium``) opens every page of the built book (``build/book/html``)
 from a local HTTP server, driven over the Chrome DevTools Protocol with ``websocket-client``. A page

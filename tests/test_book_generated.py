@@ -1,10 +1,10 @@
-"""The tables the book's hand-written pages include (fisherkron/experiments/book/generated.py); no notebook runs."""
+"""The tables the book's hand-written pages include (fisherkron/repro/book/generated.py); no notebook runs."""
 import json
 from pathlib import Path
 
 from fisherkron.env import file_checksum
-from fisherkron.experiments.book.generated import FOLDER, verify_table, write_generated
-from fisherkron.experiments.readme import Outputs
+from fisherkron.repro.book.generated import FOLDER, verify_table, write_generated
+from fisherkron.repro.book.records import Outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 

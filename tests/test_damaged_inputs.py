@@ -16,7 +16,7 @@ import pytest
 
 from fisherkron.core.conventions import FisherkronError
 from fisherkron.env import csv_rows, json_object, read_committed
-from fisherkron.experiments import figures, readme, verify
+from fisherkron.repro import figures, readme, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "figures"
@@ -82,8 +82,10 @@ def _one_line(err: str, name: str, says: str) -> None:
 
 
 # -- the README ----------------------------------------------------------------------------------
-#: blocks that read each kind of file: a table, every provenance record (a notebook's run time), the verify records
-README_BLOCKS = ("synthetic-gaps", "time:fig_time_algo", "verify-record")
+#: the front page's blocks: they read every provenance record and the tables the paper's items need
+README_BLOCKS = ("results", "recipe")
+#: the damage the front page meets (it reads no make-verify record)
+README_DAMAGE = sorted(c for c in DAMAGE if not c.startswith("verify-"))
 
 
 def _readme_tree(tmp_path: Path) -> Path:
@@ -91,6 +93,8 @@ def _readme_tree(tmp_path: Path) -> Path:
     ``make readme`` would rewrite it)."""
     for beside in ("data/verify", "notebooks/params"):
         shutil.copytree(ROOT / beside, tmp_path / beside)
+    (tmp_path / "notebooks" / "executed").mkdir()  # the teaching item reads its committed run
+    shutil.copy2(ROOT / "notebooks/executed/kronecker_fisher_from_scratch.ipynb", tmp_path / "notebooks" / "executed")
     shutil.copytree(FIGURES, tmp_path / "figures", ignore=shutil.ignore_patterns("*.png", "*.pdf", "*.tex"))
     text = "\n\n".join(f"<!-- generated:{b} -->\nstale\n<!-- /generated:{b} -->" for b in README_BLOCKS) + "\n"
     (tmp_path / "README.md").write_text(text, encoding="utf-8")
@@ -105,11 +109,11 @@ def test_the_readme_blocks_of_these_tests_render_from_intact_outputs(tmp_path):
     assert readme.main(["--check", str(path)]) == 0
 
 
-@pytest.mark.parametrize("case", sorted(DAMAGE) + ["csv-column-renamed"])
+@pytest.mark.parametrize("case", README_DAMAGE + ["csv-column-renamed"])
 @pytest.mark.parametrize("check", [False, True], ids=["readme", "readme-check"])
 def test_a_damaged_committed_file_stops_make_readme_with_one_line(case, check, tmp_path, capsys):
     rel, damage, says = DAMAGE.get(case) or ("figures/tab_synthetic_gaps.csv", _rename_column("gap", "gapp"),
-                                             "README block 'synthetic-gaps' cannot be rendered")
+                                             "lack what this item reads")
     path = _readme_tree(tmp_path)
     damage(tmp_path / rel)
     before = path.read_bytes(), path.stat().st_mtime_ns
@@ -120,10 +124,10 @@ def test_a_damaged_committed_file_stops_make_readme_with_one_line(case, check, t
 
 
 def test_make_readme_on_a_damaged_table_prints_one_line_from_the_command(tmp_path):
-    """The entry point ``python -m fisherkron.experiments.readme`` (what ``make readme`` runs), end to end."""
+    """The entry point ``python -m fisherkron.repro.readme`` (what ``make readme`` runs), end to end."""
     path = _readme_tree(tmp_path)
     BINARY(tmp_path / "figures" / "tab_synthetic_gaps.csv")
-    run = subprocess.run([sys.executable, "-m", "fisherkron.experiments.readme", "--check", str(path)],
+    run = subprocess.run([sys.executable, "-m", "fisherkron.repro.readme", "--check", str(path)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     _one_line(run.stderr, "tab_synthetic_gaps.csv", "is not text")
@@ -172,7 +176,7 @@ def test_a_damaged_committed_file_stops_make_verify_before_anything_runs(case, t
 def test_make_verify_on_a_damaged_record_prints_one_line_from_the_command(tmp_path):
     ref, scratch, args = _verify_tree(tmp_path)
     GARBAGE(ref / "tab_time_algo.provenance.json")
-    run = subprocess.run([sys.executable, "-m", "fisherkron.experiments.verify", *args, "--no-run"],
+    run = subprocess.run([sys.executable, "-m", "fisherkron.repro.verify", *args, "--no-run"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     _one_line(run.stderr, "tab_time_algo.provenance.json", "is not a provenance record")
@@ -247,7 +251,7 @@ def test_the_committed_records_and_tables_all_read():
 
 # -- make book ---------------------------------------------------------------------------------------
 def test_a_damaged_executed_notebook_stops_make_book_with_one_line(tmp_path, capsys):
-    from fisherkron.experiments.book.__main__ import main as book
+    from fisherkron.repro.book.__main__ import main as book
 
     executed = Path(shutil.copytree(ROOT / "notebooks" / "executed", tmp_path / "executed"))
     first = sorted(executed.glob("*.ipynb"))[0]

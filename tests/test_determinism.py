@@ -1,8 +1,8 @@
-"""Determinism (issue 24, item 6): the smoke profile run twice gives identical tables apart from timings.
+"""Determinism: the smoke profile run twice gives identical tables apart from timings.
 
 Two fast smoke notebooks are each executed twice (papermill, as `make smoke` runs them, into
 temporary folders with empty caches) and every table they write is compared with
-:func:`fisherkron.experiments.verify.compare_frames`, the comparison `make verify` uses, with every
+:func:`fisherkron.repro.verify.compare_frames`, the comparison `make verify` uses, with every
 column that is not declared ``timing`` required to be equal. The synthetic notebook trains MLPs
 from seeds (accuracies, standard errors, Fisher shares); the runtime notebook runs MFF on
 seeded synthetic gradients (Lanczos product counts, error estimates, FLOP counts). About 25 s
@@ -15,8 +15,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fisherkron.experiments import verify
-from fisherkron.experiments.execute import execute
+from fisherkron.repro import verify
+from fisherkron.repro.execute import execute
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ["fig_synthetic_correlations", "fig_time_algo"]

@@ -1,4 +1,4 @@
-"""env.atomic_directory replaces a folder without ever deleting the earlier one first (issue 20, class 1).
+"""env.atomic_directory replaces a folder without ever deleting the earlier one first.
 
 A folder that is a mount point (a Docker volume, a separate disk) cannot be renamed onto or
 away: the rename fails with EBUSY. The earlier code deleted the old folder and then renamed,

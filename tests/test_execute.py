@@ -1,4 +1,4 @@
-"""``fisherkron.experiments.execute``: the one way notebooks are run (``mk/notebooks.mk`` and ``make verify``).
+"""``fisherkron.repro.execute``: the one way notebooks are run (``mk/notebooks.mk`` and ``make verify``).
 
 An executed notebook appears under its real name only when every cell ran; a failure leaves
 ``<name>.failed.ipynb`` (with the failing cell) and removes an older executed copy, so a stale notebook is
@@ -11,7 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from fisherkron.experiments.execute import execute
+from fisherkron.repro.execute import execute
 
 NOTEBOOK = """# ---
 # jupyter:

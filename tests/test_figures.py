@@ -1,4 +1,4 @@
-"""fisherkron.experiments.figures: atomic artefacts with provenance records."""
+"""fisherkron.repro.figures: atomic artefacts with provenance records."""
 import json
 import os
 
@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from fisherkron.experiments import figures  # noqa: E402
+from fisherkron.repro import figures  # noqa: E402
 from fisherkron.core.conventions import FisherkronError  # noqa: E402
 
 
@@ -96,7 +96,7 @@ def test_dirty_means_changed_sources_not_the_runs_own_outputs(tmp_path):
     provenance of its later outputs dirty, while an uncommitted source change must."""
     import subprocess
 
-    from fisherkron.experiments.figures import git_commit
+    from fisherkron.repro.figures import git_commit
 
     def git(*a):
         subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)

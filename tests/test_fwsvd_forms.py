@@ -1,4 +1,4 @@
-"""The two forms of FWSVD against dense float64 references (issue 21, item 2).
+"""The two forms of FWSVD against dense float64 references.
 
 ``fwsvd`` weights the input columns by ``d_j = sqrt(sum_i E[G_ij^2])``, as the public FWSVD code
 does: ``W ~= SVD_r(W D) D^{-1}``, GFWSVD with ``A = diag(sum_i E[G_ij^2])`` and ``B = I``.

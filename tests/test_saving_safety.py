@@ -1,4 +1,4 @@
-"""Saving and loading lose nothing and read nothing unverified (issue 20, classes 1-4 of saving).
+"""Saving and loading lose nothing and read nothing unverified.
 
 Each case is a regression test on tiny random models (tests/tiny_models.py):
 

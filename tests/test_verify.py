@@ -1,4 +1,4 @@
-"""`make verify` (issue 24): tolerances declared with a table, and the comparison that catches a planted change.
+"""`make verify`: tolerances declared with a table, and the comparison that catches a planted change.
 
 The comparison runs on the committed tables (figures/) and on a tiny table producer written the
 way a notebook writes its tables (save_table with tolerances); no notebook runs here.
@@ -16,9 +16,9 @@ import torch
 
 import fisherkron as fk
 from fisherkron.core.conventions import FisherkronError
-from fisherkron.experiments import figures, verify
-from fisherkron.experiments import tolerance as T
-from fisherkron.experiments.verify_tolerances import TOLERANCES
+from fisherkron.repro import figures, verify
+from fisherkron.repro import tolerance as T
+from fisherkron.repro.verify_tolerances import TOLERANCES
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "figures"

@@ -29,7 +29,7 @@ public code does (the paper authors' BERT code, sayankotor/FisherKronecker; ASVD
 Fisher scaling), so it is the FWSVD whose numbers the paper reports. **FWSVD rows**
 (:func:`fwsvd_rows`, method ``fwsvd_rows``) sums over the input index ``j`` and weights the
 output rows, as App. E writes it (the best ``I_m (x) D~`` fit of the Fisher). On SmolLM2
-(PTB, uniform ratios, issue 21) the input form reaches perplexity 4,443 at 10 %, the row form
+(PTB, uniform ratios) the input form reaches perplexity 4,443 at 10 %, the row form
 1,696,104.
 
 Weights are ``None`` (identity), a vector (diagonal) or a lower-triangular

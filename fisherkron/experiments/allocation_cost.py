@@ -1,4 +1,4 @@
-"""The allocation study of issue 22: quality against cost of five rank allocations at k = 32.
+"""The allocation study: quality against cost of five rank allocations at k = 32.
 
 Used only by ``notebooks/fig_allocation_cost.py``. It reuses the decoder study's protocol and caches
 (:mod:`fisherkron.experiments.llm_compression`: the same k = 32 SmolLM2 calibration entry, the same sweep
@@ -15,7 +15,7 @@ cached by its full configuration). Each method is compressed at each whole-model
 
 :func:`cost` says what each allocation spent (model evaluations, seconds), :func:`predictions` puts each
 case's predicted loss increase (raw and calibrated curves) beside the measured one, and :func:`target`
-checks issue 22's target from the numbers; :func:`head_to_head` says which of two allocations is better.
+checks the study's target from the numbers; :func:`head_to_head` says which of two allocations is better.
 """
 
 from __future__ import annotations

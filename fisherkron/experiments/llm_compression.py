@@ -23,7 +23,7 @@ soon as it exists: a rerun after a plotting change reads them in seconds and an 
 resumes at the next case. Each method's weighted SVDs (:class:`~fisherkron.hf.allocation.Decompositions`)
 serve all its ratios and allocations.
 
-The pitfall of App. "Impact of diagonal ..." (issue 21, item 6) lives here too:
+The pitfall of App. "Impact of diagonal ..." lives here too:
 :func:`transposed_decomposition` is GFWSVD with the output-side Cholesky factor untransposed, as a
 public reimplementation (lems-svd/lems) computes it.
 """
@@ -60,7 +60,7 @@ CODE_VERSION = "llm-compression-1"
 STUDY_METHODS = ("fwsvd", "asvd", "svd_llm", "gfwsvd", "gfwsvd_diag", "gfwsvd_offdiag", "kfac_svd", "basis_sharing")
 #: the allocations a method is tried with; its best is chosen on the held-out selection loss
 ALLOCATIONS = ("uniform", "fisher", "sensitivity")
-#: the allocations that measure one point per layer on the sweep batches (issue 22): a case's allocation
+#: the allocations that measure one point per layer on the sweep batches: a case's allocation
 #: name -> the library's strategy and its options (``fisherkron.hf.allocation.allocate``); the Theorem-1
 #: curves calibrated by the held-out loss (the default) or by the KL divergence, and LEMS's baseline
 MEASURED = {"calibrated": ("calibrated", {"calibrate_metric": "loss"}),  # named: the library default is kl
@@ -782,7 +782,7 @@ def sweep_noise(study: Study, method: str, *, ratio: float | None = None, n_laye
     return rows
 
 
-# ----------------------------------------------------------------------------- the pitfall (issue 21, item 6)
+# ----------------------------------------------------------------------------- the pitfall
 
 def transposed_decomposition(W: torch.Tensor, L_A: torch.Tensor | None, L_B: torch.Tensor | None, *,
                              name: str = "weight", dtype: torch.dtype = torch.float64):

@@ -350,7 +350,7 @@ COLUMN_KINDS = (
     (re.compile(r"mmlu|humanities|other|social|stem|arc|hella|hswag|piqa|wino|openbook|avg|acc", re.I), "accuracy"),
 )
 
-#: The tolerance of each kind of column (grammar: :mod:`fisherkron.experiments.tolerance`), whatever the cells'
+#: The tolerance of each kind of column (grammar: :mod:`fisherkron.repro.tolerance`), whatever the cells'
 #: spread means. A compression ratio is counted parameters (1 % covers a rank moved by the allocation); a
 #: held-out loss and a perplexity come from float32 forward passes of a compressed model, which amplifies a
 #: singular vector moved by another CPU's summation order (0.02 nats; 5 %). An accuracy with no spread printed
@@ -367,7 +367,7 @@ BASE_TOLERANCES = {"timing": "timing", "exact": "exact", "ratio": "rel=0.01", "l
 ACCURACY_SE = "abs=0.025 + 1*pm"
 
 #: Seed means printed ``mean ± sd`` over ``N`` seeds: three standard errors of the mean (sd / sqrt(N)) on top of
-#: the kind's own tolerance, the rule of the GLUE tables (:mod:`fisherkron.experiments.verify_tolerances`). A
+#: the kind's own tolerance, the rule of the GLUE tables (:mod:`fisherkron.repro.verify_tolerances`). A
 #: model trained on another CPU diverges from the committed one as another seed's would, so the seeds' spread
 #: is the noise of a re-run; with two seeds it is barely estimated, hence three standard errors, not two.
 SEED_MEANS = "3*pm/sqrt({seeds})"
@@ -406,11 +406,11 @@ def tolerances(df: pd.DataFrame, seeds: int | None = None) -> dict[str, str]:
 
 def save(df: pd.DataFrame, name: str, output_dir, params: dict, *, caption: str, label: str, notebook: str,
          started: float, extra: dict | None = None, seeds: int | None = None) -> list[Path]:
-    """:func:`fisherkron.experiments.figures.save_table` with the columns' verify :func:`tolerances` (``seeds``:
+    """:func:`fisherkron.repro.figures.save_table` with the columns' verify :func:`tolerances` (``seeds``:
     the number of seeds behind ``mean ± sd`` cells, if the table has them), then the ``.tex`` rewritten in the
     paper's layout (:func:`latex`), atomically."""
     from ..env import atomic_write
-    from . import figures
+    from ..repro import figures
 
     paths = figures.save_table(df, name, output_dir, params, caption=caption, label=label, started=started,
                                notebook=notebook, extra=extra, tolerances=tolerances(df, seeds))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.conventions import FisherkronError
-from ..env import REPO_ROOT, csv_rows, json_object, read_committed
+from ..env import REPO_ROOT, shown
 
 __all__ = ["VERDICTS", "Item", "ITEMS", "load_records", "results", "results_table"]
 
@@ -458,16 +458,34 @@ def load_records(figures: Path) -> Records:
     ``"table"``. A file that is not a JSON object, or a table that cannot be read, raises a
     one-line :class:`FisherkronError` naming it.
     """
+    from .figures import read_provenance, read_table  # the provenance layout, its fields' kinds checked
+
     records: Records = {}
     for path in sorted(Path(figures).glob("*.provenance.json")):
-        # an empty, binary, cut-short or non-object file: one line naming it and what to do
-        record = read_committed(path, json_object(), what="a provenance record (JSON)")
+        # an empty, binary, cut-short or hand-edited file: one line naming it and what to do
+        record = read_provenance(path)
         name = path.name[: -len(".provenance.json")]
         table = path.with_name(f"{name}.csv")
         if table.is_file():
-            record["table"] = read_committed(table, csv_rows, what="a CSV table")
+            record["table"] = read_table(table, notebook=record.get("notebook"))
         records[name] = record
     return records
+
+
+class _Reads(dict):
+    """The records, noting which an item read: a failing item names the files behind them."""
+
+    def __init__(self, records: Records):
+        super().__init__(records)
+        self.read: list[str] = []
+
+    def __getitem__(self, key):
+        self.read.append(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.append(key)
+        return super().get(key, default)
 
 
 def _executed_status(notebook: Path) -> dict[str, int] | None:
@@ -482,12 +500,29 @@ def _executed_status(notebook: Path) -> dict[str, int] | None:
     return {"cells": len(cells), "errors": errors}
 
 
+def _is_record_name(key: str) -> bool:
+    """A record's name (a figure's, a table's, a summary's), not a field inside one."""
+    return key.startswith(("fig_", "tab_", "bench/", "kronecker_fisher_from_scratch")) or key.endswith("_summary")
+
+
+def _unreadable(item: Item, figures: Path, read: list[str], exc: Exception) -> FisherkronError:
+    """A committed record that lacks, or holds in another form, what an item reads: damaged or hand-edited."""
+    files = [f"{shown(Path(figures) / name)}.{ext}" for name in dict.fromkeys(read) if _is_record_name(name)
+             for ext in ("provenance.json", "csv") if (Path(figures) / f"{name}.{ext}").is_file()]
+    where = ", ".join(files) or shown(figures)
+    return FisherkronError(
+        f"{item.title}: {where} lack what this item reads ({type(exc).__name__}: {exc}): if edited by hand or "
+        f"damaged, restore them from git (`git checkout -- {where.split(', ')[0]}`) or re-run the notebook "
+        f"(`make {item.notebook}`)")
+
+
 def results(figures: Path = REPO_ROOT / "figures") -> list[dict[str, str]]:
     """One row per item of :data:`ITEMS`: label, title, group, claim, paper, ours, verdict, notebook.
 
     The teaching notebook writes no summary record yet; its committed executed notebook
     (``notebooks/executed/`` beside ``figures``) stands in for it under the key :data:`TEACHING`.
-    An item whose records lack what it reads gets "cannot tell" and says which key is missing.
+    An item whose notebook has not written its record yet is "cannot tell"; a record present but lacking
+    what the item reads (hand-edited, damaged) is a one-line error naming the notebook.
     """
     records = load_records(figures)
     status = _executed_status(Path(figures).parent / "notebooks" / "executed" / "kronecker_fisher_from_scratch.ipynb")
@@ -495,10 +530,18 @@ def results(figures: Path = REPO_ROOT / "figures") -> list[dict[str, str]]:
         records[TEACHING] = status
     rows = []
     for item in ITEMS:
+        seen = _Reads(records)
         try:
-            ours, verdict = item.ours(records)
-        except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError, StopIteration) as exc:
-            ours, verdict = f"not in the records ({type(exc).__name__}: {exc})", "cannot tell"
+            ours, verdict = item.ours(seen)
+        except KeyError as exc:
+            key = exc.args[0] if exc.args else None
+            if isinstance(key, str) and key not in records and _is_record_name(key) \
+                    and not (Path(figures) / f"{key}.provenance.json").exists():  # the notebook has not run yet
+                ours, verdict = f"not run yet (no {exc.args[0]} record)", "cannot tell"
+            else:
+                raise _unreadable(item, figures, seen.read, exc) from exc
+        except (IndexError, TypeError, ValueError, ZeroDivisionError, StopIteration) as exc:
+            raise _unreadable(item, figures, seen.read, exc) from exc
         if verdict not in VERDICTS:
             raise FisherkronError(f"{item.label}: verdict {verdict!r} is not one of {VERDICTS}")
         rows.append(dict(label=item.label, title=item.title, group=item.group, claim=item.claim,

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..core.conventions import FisherkronError
-from ..env import REPO_ROOT, atomic_write
+from ..env import REPO_ROOT, atomic_write, read_committed
 from . import claims
 
 __all__ = ["BLOCK", "RENDERERS", "render", "check", "main"]
@@ -108,21 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = Path(args.readme)
     try:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise FisherkronError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}): restore it "
-                                  f"with `git checkout -- {path.name}`") from exc
+        text = read_committed(path, what="the README", remake="`make readme` writes its generated blocks again")
         missing = sorted(set(RENDERERS) - {m["name"] for m in BLOCK.finditer(text)})
         if missing:
             raise FisherkronError(f"{path} has no block for {missing}: add <!-- generated:NAME --> markers")
+        figures = path.parent / "figures"  # the outputs committed beside the README
         if args.check:
-            problems = check(text)
+            problems = check(text, figures)
             for p in problems:
                 print(p, file=sys.stderr)
             print(f"[readme] {len(RENDERERS)} blocks, {len(problems)} differ")
             return 1 if problems else 0
-        new = render(text)
+        new = render(text, figures)
         if new != text:
             atomic_write(path, lambda tmp: Path(tmp).write_text(new, encoding="utf-8"))
         print(f"[readme] {path.name}: {'rewritten' if new != text else 'already in step'}")

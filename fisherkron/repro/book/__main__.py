@@ -1,4 +1,4 @@
-"""``python -m fisherkron.experiments.book``: the two steps Make runs.
+"""``python -m fisherkron.repro.book``: the two steps Make runs.
 
 * ``strip EXECUTED COMMITTED``: after a default-profile run, write the committed copy of the
   executed notebook without its volatile metadata (``mk/notebooks.mk``);
@@ -16,7 +16,7 @@ from .sources import write_sources
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fisherkron.experiments.book", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m fisherkron.repro.book", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     strip = sub.add_parser("strip", help="write the committed copy of an executed notebook")

@@ -1,4 +1,4 @@
-"""How far a regenerated table value may fall from the committed one (issue 24, ``make verify``).
+"""How far a regenerated table value may fall from the committed one (``make verify``).
 
 A notebook declares one tolerance per table column when it saves the table::
 
@@ -6,9 +6,9 @@ A notebook declares one tolerance per table column when it saves the table::
                        tolerances={"covariance": "exact", "seeds": "exact",
                                    "gap": "3*se(se)", "fisher share": "rel=1e-3"})
 
-:func:`fisherkron.experiments.figures.save_table` checks the declarations against the table
+:func:`fisherkron.repro.figures.save_table` checks the declarations against the table
 (:func:`declare`) and records them in ``<name>.provenance.json`` under ``"tolerances"``;
-:mod:`fisherkron.experiments.verify` reads them back and compares every value of a
+:mod:`fisherkron.repro.verify` reads them back and compares every value of a
 regenerated table with the committed one.
 
 The grammar of one declaration:

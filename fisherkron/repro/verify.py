@@ -14,9 +14,9 @@ Issue 24 ("a reproduction you can check"). For each notebook the driver
    so every compression and every score is recomputed in minutes rather than hours;
 2. compares every value of every table it wrote (``<name>.csv``) with the committed
    ``figures/<name>.csv``, column by column, within the column's tolerance
-   (:mod:`fisherkron.experiments.tolerance`): the one declared in the table's provenance record
+   (:mod:`fisherkron.repro.tolerance`): the one declared in the table's provenance record
    (``save_table(..., tolerances=...)``), else the one in
-   :data:`fisherkron.experiments.verify_tolerances.TOLERANCES`, else a conservative default that
+   :data:`fisherkron.repro.verify_tolerances.TOLERANCES`, else a conservative default that
    the report names. Timing columns are shown as the median ratio new / committed and never fail;
 3. prints one line per table (columns compared, worst margin = ``|new - committed| / tolerance``,
    at most 1 to pass) and every value outside its tolerance, writes ``report.json`` in the
@@ -27,20 +27,20 @@ Issue 24 ("a reproduction you can check"). For each notebook the driver
    notebook, ``DIR/<notebook>.json`` (:func:`notebook_record`): its result, tables, worst margins, every
    value outside tolerance, wall and CPU time, the share of the cores other processes used meanwhile
    (:class:`fisherkron.env.OtherLoad`), the data mode, commit and machine, and a checksum of each
-   committed table it was compared with, so the README's verification block
-   (:mod:`fisherkron.experiments.readme.reproduce`) can say which committed tables a run vouches
-   for and which changed since. ``--record-from REPORT`` files an earlier run's ``report.json``.
+   committed table it was compared with, so the book's reproduction page
+   (:mod:`fisherkron.repro.book.generated`) can say which committed tables a run vouches for and
+   which changed since. ``--record-from REPORT`` files an earlier run's ``report.json``.
 
 A committed table of the notebook that the run did not write, a table with other rows or
 columns, and a table the committed folder lacks are reported too (the first two fail).
 
-Every file is read through :func:`fisherkron.experiments.figures.read_table` /
-:func:`~fisherkron.experiments.figures.read_provenance` (records: :func:`read_record`), and the committed
+Every file is read through :func:`fisherkron.repro.figures.read_table` /
+:func:`~fisherkron.repro.figures.read_provenance` (records: :func:`read_record`), and the committed
 tables and records of the notebooks asked for are all read before anything runs or is written: a damaged
 one (empty, binary, cut short, hand-edited) stops the run at once with one line naming the file and what to
 do, exit status 2.
 
-Command line: ``python -m fisherkron.experiments.verify [--nb NAME ...] [--data fresh|scratch|statistics|shared]
+Command line: ``python -m fisherkron.repro.verify [--nb NAME ...] [--data fresh|scratch|statistics|shared]
 [--no-run] [--record DIR] [--record-from REPORT]``; ``make verify [NB=name]`` and ``make verify-quick`` (mk/verify.mk) call it.
 :func:`compare_frames` is also what ``tests/test_determinism.py`` uses, with every non-timing
 column exact.
@@ -155,7 +155,7 @@ def declared_tolerances(name: str, new_dir: Path, ref_dir: Path | None = None) -
     """The declared tolerances of table ``name`` and where they come from.
 
     The regenerated table's provenance record first (the notebook as it is now), then the
-    committed one's, then :data:`fisherkron.experiments.verify_tolerances.TOLERANCES`.
+    committed one's, then :data:`fisherkron.repro.verify_tolerances.TOLERANCES`.
     """
     from .verify_tolerances import TOLERANCES
 
@@ -264,8 +264,8 @@ def compare_frames(name: str, ref, new, declared: Mapping[str, str] | None = Non
     """Compare a regenerated table ``new`` with the committed ``ref`` (pandas DataFrames), value by value.
 
     Args:
-        declared: column -> tolerance (:mod:`fisherkron.experiments.tolerance`); other columns get
-            :func:`fisherkron.experiments.tolerance.default`, listed in ``defaults``.
+        declared: column -> tolerance (:mod:`fisherkron.repro.tolerance`); other columns get
+            :func:`fisherkron.repro.tolerance.default`, listed in ``defaults``.
         identical: every column that is not timing must be equal (the determinism test).
     """
     declared = dict(declared or {})
@@ -362,7 +362,7 @@ def _check_committed(ref_dir: Path, notebooks: list[str]) -> int:
 # -- the committed record of each verification ---------------------------------------------------
 #: the version of a record's layout (data/verify/<notebook>.json)
 RECORD_VERSION = 1
-#: the kinds of a record's fields (:func:`notebook_record`): those the README and the book read are required
+#: the kinds of a record's fields (:func:`notebook_record`): those the book reads are required
 RECORD_FIELDS = {"result": "text", "values": "integer", "worst": "number", "failures": "list", "tables": "list"}
 RECORD_OPTIONAL = {"version": "integer", "notebook": "text", "seconds": "number|null", "cpu_seconds": "number|null",
                    "others_cpu_share": "number|null", "data": "text|null", "git": "object|null",
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fisherkron.experiments.verify", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fisherkron.repro.verify", description=__doc__.split("\n")[0])
     ap.add_argument("--nb", action="append", default=[],
                     help="notebook(s) to check (space- or comma-separated, repeatable; default: every notebook)")
     ap.add_argument("--ref", default="figures", help="the committed tables (default figures/)")

@@ -330,7 +330,7 @@ def save_table(df, name: str, folder: str | os.PathLike, params: Mapping[str, An
     Args:
         tolerances: column -> how far a rerun's value may fall from this one (``"exact"``,
             ``"timing"``, ``"rel=1e-3"``, ``"3*se(se)"``, ...: the grammar of
-            :mod:`fisherkron.experiments.tolerance`), checked against the table's columns and
+            :mod:`fisherkron.repro.tolerance`), checked against the table's columns and
             recorded in the provenance record for ``make verify``; columns left out get a
             conservative default there.
 

@@ -2,7 +2,7 @@
 
 A page includes them (```` ```{include} _generated/verify_record.md ``` ````), so no number in its
 prose is typed by hand. :func:`write_generated` writes ``<out>/_generated/<name>.md`` from the
-committed files only, through the README's renderers (:mod:`fisherkron.experiments.readme`):
+committed files only (:mod:`.records` reads and formats them):
 
 * ``verify_record.md``: one row per committed ``make verify`` record (``data/verify/*.json``);
 * ``notebook_costs.md``: each notebook's page, paper item, ``make`` target and committed run time;
@@ -15,10 +15,8 @@ import shutil
 from pathlib import Path
 
 from ...env import REPO_ROOT, atomic_write
-from ..readme import Outputs
-from ..readme.formats import machine_name, num, table
-from ..readme.layer_studies import bench_minilm, bench_minutes, bench_table, bench_targets
-from ..readme.reproduce import _changed_since, _other_cpu, make_all_time, notebook_time, verify_records
+from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_targets, changed_since, machine_name,
+                      make_all_time, notebook_time, num, other_cpu, table, verify_records)
 from .sources import pages
 
 __all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "write_generated"]
@@ -43,10 +41,10 @@ def verify_table(out: Outputs, root: Path) -> str:
     rows, outside, stale, crossed = [], 0, [], []
     for nb, rec in recs.items():
         result = {"NO TABLE": "ran (writes no table)"}.get(rec["result"], rec["result"])
-        if rec["tables"] and _changed_since(out, rec):
+        if rec["tables"] and changed_since(out, rec):
             stale.append(nb)
             result += " (a table changed since)"
-        elif rec["result"] == "PASS" and (other := _other_cpu(out, rec)) is not None:
+        elif rec["result"] == "PASS" and (other := other_cpu(out, rec)) is not None:
             crossed.append(f"`{nb}` ({other})")
         worst = ("" if not rec["tables"] else "identical" if rec["worst"] == 0
                  else "an exact value differs" if rec["worst"] == float("inf") else num(rec["worst"], 2))

@@ -10,7 +10,7 @@ hours can be followed with ``tail -f`` (papermill itself shows nothing until the
 
 Command line (what the ``run_notebook`` macro of ``mk/notebooks.mk`` calls)::
 
-    python -m fisherkron.experiments.execute NAME --profile default --figdir figures --build build/notebooks/default
+    python -m fisherkron.repro.execute NAME --profile default --figdir figures --build build/notebooks/default
 
 prints ``[notebook] NAME took N s`` or where the failed notebook is, and exits 1 on a failure.
 """
@@ -122,7 +122,7 @@ def _children_cpu() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fisherkron.experiments.execute", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fisherkron.repro.execute", description=__doc__.split("\n")[0])
     ap.add_argument("name", help="the notebook, notebooks/<name>.py")
     ap.add_argument("--profile", default="default", help="the parameter file notebooks/params/<name>.<profile>.yaml")
     ap.add_argument("--figdir", default="figures", help="where the notebook writes its figures and tables")

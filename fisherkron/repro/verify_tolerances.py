@@ -1,7 +1,7 @@
 """Tolerances of tables whose ``save_table`` call does not declare them (``make verify``).
 
 A notebook declares its tables' tolerances in its ``save_table(..., tolerances=...)`` call
-(grammar: :mod:`fisherkron.experiments.tolerance`); that declaration is recorded in the table's
+(grammar: :mod:`fisherkron.repro.tolerance`); that declaration is recorded in the table's
 provenance record and wins. This file holds the declarations of tables whose producer has none
 yet, so that ``make verify`` does not fall back to its defaults for them. Each table is declared
 in one place: when a notebook starts declaring a table's tolerances, delete its entry here
