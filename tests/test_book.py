@@ -159,3 +159,16 @@ def test_make_book_never_runs_a_notebook():
     """The book reads figures/ and notebooks/executed/; making them is the notebooks' business."""
     plan = _make_dry_run("-W", "notebooks/fig_time_algo.py", "-W", "fisherkron/core/wsvd.py", "book")
     assert "papermill" not in plan and "jupytext" not in plan, plan
+
+
+def test_the_committed_copy_shows_no_path_of_the_machine_that_ran_it(tmp_path):
+    nb = _papermill_notebook()
+    nb["cells"][2]["outputs"] = [
+        nbformat.v4.new_output("execute_result", {"text/plain": "[PosixPath('/home/ann/repo/figures/fig_x.png')]"},
+                               execution_count=3),
+        nbformat.v4.new_output("stream", name="stdout", text="records in /srv/ci/clone/data/cache/studies/x.json\n")]
+    src = tmp_path / "run.ipynb"
+    src.write_text(json.dumps(nb))
+    text = write_executed(src, tmp_path / "executed" / "t.ipynb").read_text()
+    assert "/home/ann" not in text and "/srv/ci" not in text
+    assert "figures/fig_x.png" in text and "data/cache/studies/x.json" in text

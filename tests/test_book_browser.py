@@ -52,7 +52,7 @@ SCREEN = (1280, 800)
 #: notebooks save at 150 dpi with 9-11 pt text) and must open at full size when clicked
 MIN_FIGURE_SCALE = 0.45
 #: a path of a build machine left in an output (the repository's root, a home folder, a venv)
-MACHINE_PATH = re.compile(r"(?<![\w.~])/(?:home|root|Users|work|private/var)/[\w.-]+|site-packages|\.venv/|"
+MACHINE_PATH = re.compile(r"(?<![\w.~])/(?:home|root|Users|work|private/var)/[\w.-]+|(?:/[\w.+-]+)+/site-packages/|"
                           + re.escape(str(ROOT)))
 #: mathematics MathJax should have replaced, as it would remain in the visible text
 RAW_MATH = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\\begin\{|\$[^$\n]*\\[A-Za-z]+[^$\n]*\$")

@@ -4,23 +4,58 @@ papermill and nbclient record when every cell started and ended, where the noteb
 and written to, and jupytext gives every cell a random id; a re-run that computes the same numbers
 would then differ on every cell. :func:`strip_volatile` keeps what a reader sees (sources, outputs,
 execution counts, tags, the injected parameters) and replaces the rest by stable values, so the
-diff of a re-run shows only what changed in the results.
+diff of a re-run shows only what changed in the results. A path of the machine that ran it, left in
+an output (a list of the files a cell wrote, a library's warning), is written relative to the
+repository: what a reader sees does not depend on where the run happened.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
 from ...env import atomic_write, json_object, read_committed
 
-__all__ = ["VOLATILE_CELL_KEYS", "strip_volatile", "write_executed"]
+__all__ = ["VOLATILE_CELL_KEYS", "relative_paths", "strip_volatile", "write_executed"]
 
 #: cell metadata written by the runners, different on every run
 VOLATILE_CELL_KEYS = ("execution", "papermill", "collapsed", "scrolled")
 #: notebook-level papermill keys that are kept (the rest are times and paths)
 KEPT_PAPERMILL_KEYS = ("parameters",)
+
+
+#: an absolute folder just above one of the repository's own top-level folders: the checkout's root
+_CHECKOUT = re.compile(r"(?<![\w.~])(?:/[\w.+-]+)+/(?=(?:figures|data|notebooks|build|\.venv|fisherkron|scripts|"
+                       r"tests|book|examples)/)")
+
+
+def relative_paths(text: str) -> str:
+    """``text`` with every absolute path into a checkout written relative to the checkout's root.
+
+    >>> relative_paths("[PosixPath('/home/ann/fisherkron/figures/fig_x.png')] and /srv/x/data/cache/y.json")
+    "[PosixPath('figures/fig_x.png')] and data/cache/y.json"
+    >>> relative_paths("a ratio 1/2 and figures/ stay")
+    'a ratio 1/2 and figures/ stay'
+    """
+    return _CHECKOUT.sub("", text)
+
+
+def _relative(value: Any) -> Any:
+    """:func:`relative_paths` of an output's text, kept as a string or a list of lines as it was."""
+    if isinstance(value, list):
+        return [relative_paths(v) if isinstance(v, str) else v for v in value]
+    return relative_paths(value) if isinstance(value, str) else value
+
+
+def _relative_outputs(cell: dict[str, Any]) -> None:
+    for out in cell.get("outputs", []):
+        if "text" in out:  # a stream
+            out["text"] = _relative(out["text"])
+        for kind, value in (out.get("data") or {}).items():
+            if kind.startswith("text/"):
+                out["data"][kind] = _relative(value)
 
 
 def _source(cell: dict[str, Any]) -> str:
@@ -29,7 +64,8 @@ def _source(cell: dict[str, Any]) -> str:
 
 
 def strip_volatile(nb: dict[str, Any]) -> dict[str, Any]:
-    """A copy of notebook ``nb`` (nbformat 4, as a dict) without timing, paths or random ids.
+    """A copy of notebook ``nb`` (nbformat 4, as a dict) without timing, paths or random ids
+    (:func:`relative_paths` in its outputs).
 
     Cell ids become a hash of the cell's type and source (numbered when two cells are equal), so
     an unchanged cell keeps its id from one run to the next.
@@ -54,6 +90,7 @@ def strip_volatile(nb: dict[str, Any]) -> dict[str, Any]:
         cmeta = cell.setdefault("metadata", {})
         for key in VOLATILE_CELL_KEYS:
             cmeta.pop(key, None)
+        _relative_outputs(cell)
         if "id" in cell:  # nbformat >= 4.5
             digest = hashlib.sha1(f"{cell['cell_type']}\n{_source(cell)}".encode()).hexdigest()[:8]
             base = f"{cell['cell_type']}-{digest}"

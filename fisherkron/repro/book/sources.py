@@ -195,13 +195,27 @@ def _collapse_parameters(nb: Any) -> None:
             cell.metadata["tags"] = [*tags, "hide-input"]
 
 
+#: a first cell longer than this many lines holds more than the title and the claim: the result goes
+#: after its first paragraph (a committed run of a notebook written before the claim cell was short)
+CLAIM_LINES = 12
+
+
 def _insert_result(nb: Any, page: Page, result: str) -> None:
-    """The result goes right below the first markdown cell (the title and the claim)."""
+    """The result goes right below the title and the claim: after the first markdown cell, or after
+    the title and first paragraph of a first cell that holds more."""
     first = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"), None)
-    at = 0 if first is None or first > 0 else 1
     if first is None or first > 0:
-        result = f"# {page.title}\n\n{result}"
-    nb.cells.insert(at, _markdown_cell(result))
+        nb.cells.insert(0, _markdown_cell(f"# {page.title}\n\n{result}"))
+        return
+    text = nb.cells[0].source
+    if len(text.splitlines()) > CLAIM_LINES:
+        paragraphs = re.split(r"\n\s*\n", text.strip())
+        keep = 2 if paragraphs[0].startswith("#") and len(paragraphs) > 2 else 1
+        while keep < len(paragraphs) - 1 and paragraphs[keep - 1].rstrip().endswith(":"):
+            keep += 1  # a claim that introduces a list keeps its list
+        nb.cells[0].source = "\n\n".join(paragraphs[:keep])
+        nb.cells.insert(1, _markdown_cell("\n\n".join(paragraphs[keep:])))
+    nb.cells.insert(1, _markdown_cell(result))
 
 
 def _page_notebook(page: Page, root: Path, figures: Path, images: Path, items: list[dict]) -> Any:
