@@ -16,29 +16,17 @@
 #
 # **Claims.** For one linear layer $W$ ($n \times m$, out $\times$ in) with per-batch gradients $G_i$:
 #
-# 1. **MFF in a dozen lines** (Sec. 4, Algorithm 1). The best Kronecker approximation
-#    $F \approx A \otimes B$ of the empirical Fisher in Frobenius norm is the leading singular pair of
-#    the *rearranged* Fisher $\mathcal R(F)$ (Van Loan & Pitsianis). Power iteration finds it from two
-#    small matrix products per step, $\frac1k\sum_i G_i^\top B G_i$ and $\frac1k\sum_i G_i A G_i^\top$
-#    (Eq. (12), (23)), never forming $F$; the number of products does not grow with the size of $F$.
-# 2. **Why never form $F$.** $F$ has $(nm)^2$ entries, the factors $m^2 + n^2$: terabytes against
-#    megabytes for one BERT-base layer (Section 4 below).
-# 3. **The matrix-variate normal view** (Sec. 3.2). A Kronecker-structured curvature is the Hessian
-#    of a matrix-variate normal log-likelihood.
-# 4. **Theorem 1.** Under it the best rank-$r$ compression is the weighted SVD (GFWSVD),
-#    $\widehat W_r = L_B^{-\top}\mathrm{SVD}_r(L_B^\top W L_A) L_A^{-1}$.
-# 5. **One family** (Sec. 5.1, App. E, Fig. connection2fwsvd). FWSVD is the special case with one
-#    diagonal factor beside an identity, plain SVD the identity pair: every method is a pair
-#    $(L_B, L_A)$ in $\widetilde W = L_B^\top W L_A$.
-# 6. **The loss link** (Eq. (1)-(2)). On a real layer the quadratic form
-#    $\tfrac12\,\mathrm{tr}(\Delta W^\top B\,\Delta W A)$ predicts how much the loss rises when the
-#    weight moves by $\Delta W$, and tells the sensitive directions from the harmless ones better than
-#    the diagonal Fisher FWSVD reads -- with caveats that the experiment measures: the empirical
-#    Fisher stands in for the Hessian only near a minimum, and the quadratic model holds only for
-#    small $\Delta W$.
+# 1. **MFF** (Sec. 4, Alg. 1): power iteration on the rearranged Fisher $\mathcal R(F)$, two small GEMMs a step, finds the best $A \otimes B$ without forming $F$.
+# 2. **Size:** $F$ has $(nm)^2$ entries, the factors $m^2 + n^2$: terabytes against megabytes for a BERT-base layer.
+# 3. **Matrix-variate normal** (Sec. 3.2): a Kronecker-structured curvature is the Hessian of its log-likelihood.
+# 4. **Theorem 1:** the best rank-$r$ compression is $\widehat W_r = L_B^{-\top}\mathrm{SVD}_r(L_B^\top W L_A) L_A^{-1}$ (GFWSVD).
+# 5. **One family** (Sec. 5.1, App. E): SVD, FWSVD and GFWSVD are pairs $(L_B, L_A)$ in $\widetilde W = L_B^\top W L_A$.
+# 6. **The loss link** (Eq. (1)-(2)): $\tfrac12\,\mathrm{tr}(\Delta W^\top B\,\Delta W A)$ predicts the loss increase of a move $\Delta W$.
 #
 # **Result.** The verdict and figure just below come from the experiment of claim 6 (Section 9 shows
-# how it is measured). Sections 1-8 then build everything from scratch, in the order of a lecture.
+# how it is measured, and its caveats: the empirical Fisher stands in for the Hessian only near a
+# minimum, and the quadratic model holds only for small $\Delta W$). Sections 1-8 then build
+# everything from scratch, in the order of a lecture.
 #
 # **How to read.** Sections 1-7 work on a layer with $n = 4$ outputs and $m = 3$ inputs, small enough
 # to write every matrix down in float64. Each section states a fact in LaTeX and the code below it
