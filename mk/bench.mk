@@ -1,9 +1,9 @@
-# Benchmark of MFF against the authors' svds approach (README, "Speed"): a benchmark, not a test.
+# Benchmark of MFF against the authors' svds approach (the user guide, "Speed of MFF"): a benchmark, not a test.
 # The outputs are one grouped target whose prerequisites are the runner, the code it times and
 # the core, so `make bench` reruns only when one of them changed (a second run does nothing).
 BENCH_DIR  ?= figures/bench
 BENCH_ARGS ?=
-BENCH_SRC  := scripts/bench_mff.py $(addprefix fisherkron/experiments/,benchmark.py authors.py synthetic_gradients.py figures.py) \
+BENCH_SRC  := scripts/bench_mff.py $(addprefix fisherkron/experiments/,benchmark.py authors.py synthetic_gradients.py) fisherkron/repro/figures.py \
               $(wildcard fisherkron/hf/calibration/*.py) $(addprefix fisherkron/hf/,data.py registry.py)
 BENCH_OUT  := $(foreach s,bench_mff bench_minilm_layers,$(BENCH_DIR)/$s.csv $(BENCH_DIR)/$s.md $(BENCH_DIR)/$s.tex \
                 $(BENCH_DIR)/$s.provenance.json) \
