@@ -113,7 +113,8 @@ BAD_COMPRESS = [
     (["--rank", "2", "--batch-size", "0"], "--batch-size"), (["--rank", "2", "--seq-len", "1"], "--seq-len"),
     (["--rank", "2", "--ppl-tokens", "-5"], "--ppl-tokens"), (["--rank", "2", "--seed", "-1"], "--seed"),
     (["--rank", "2", "--method", "pca"], "--method"), (["--rank", "2", "--device", "gpu"], "--device"),
-    (["--rank", "2", "--data", "wiki"], "--data"), (["--rank", "2", "--task", "qa"], "--task"),
+    (["--rank", "2", "--task", "qa"], "--task"), (["--rank", "2", "--max-disk", "20 parsecs"], "--max-disk"),
+    (["--rank", "2", "--max-disk", "0GB"], "--max-disk"),
 ]
 
 

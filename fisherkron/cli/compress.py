@@ -10,6 +10,15 @@ held-out C4 batches) on the calibration that recipe was measured with (``--k``, 
 ``--seq-len`` default to it); the recipe's docstring states the rule that chose it. ``--method
 gfwsvd`` runs the paper's method with the same allocation, its best in the same study.
 
+A causal LM calibrates on C4, or on the user's own text: ``--data PATH`` names a ``.txt``
+(documents separated by blank lines), ``.jsonl``, ``.json``, ``.csv`` or ``.parquet`` file, or a
+``save_to_disk`` folder (:mod:`fisherkron.hf.user_data`; ``--text-field`` names the field that holds
+the text). The file is read before the model is loaded, so a bad one is one line, under
+``--dry-run`` too; the measured allocations hold out its last fifth (at most ``HELDOUT_DOCS``
+documents), which the calibration never sees::
+
+    fisherkron compress smollm2 --ratio 0.2 --data my-notes.jsonl --text-field body --out smollm2-notes-20
+
 A sequence classifier (a folder whose ``config.json`` names a ``*ForSequenceClassification``,
 or ``minilm``) is loaded with its head and calibrated on a classification task::
 
@@ -18,8 +27,15 @@ or ``minilm``) is loaded with its head and calibrated on a classification task::
 The order is: check every option; check ``--out`` (a folder, writable -- tested by writing
 a file --, new, empty or an earlier save with ``--overwrite``, none of whose files was edited
 since, unless ``--overwrite-edited``); load the model; check ``--seq-len`` against its
-positions; select the layers; plan (``--dry-run`` stops here and prints the plan); check that
-``--out`` has room for the planned save; only then read data, calibrate, compress and save.
+positions; select the layers; plan, and count what the calibration will need (disk under
+``--max-disk``, memory, forward + backward passes: :func:`fisherkron.hf.budget.calibration_needs`;
+a bound too small is refused) and whether the user's text holds enough tokens (``--dry-run`` stops
+here and prints all of it); check that ``--out`` has room for the planned save; only then draw the
+batches, calibrate, compress and save.
+
+``--max-disk 20GB`` bounds the disk the calibration takes: the layers are collected in groups, MFF
+runs on each group's gradients and only its factors are kept
+(:func:`fisherkron.collect_calibration`'s ``max_disk``), at ``k x groups`` forward + backward passes.
 
 The plan never makes the model larger or runs out of memory where that can be told in
 advance (:mod:`fisherkron.hf.budget`): a selected layer whose weight another module holds (an
@@ -44,6 +60,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from ..core.conventions import FisherkronError
 from ..core.lowrank import compression_ratio, lowrank_params
@@ -59,18 +76,38 @@ log = logging.getLogger("fisherkron.cli")
 CALIBRATION = ("c4",) + opt.CLASSIFICATION_DATA
 #: calibration tokens per sequence: the recommended recipe's (at most the model's positions)
 DEFAULT_SEQ_LEN = RECOMMENDED.seq_len
-#: C4 documents held out of the calibration for the allocations that measure (their loss or KL is measured on them)
+#: C4 documents held out of the calibration for the allocations that measure (their loss or KL is measured on them);
+#: of the user's own text (--data PATH) its last fifth, at most this many (:func:`heldout_documents`)
 HELDOUT_DOCS = 200
 #: held-out batches (of --batch-size x --seq-len) the measured allocations evaluate: the recommended recipe's
 HELDOUT_BATCHES = RECOMMENDED.heldout_batches
 
 
+def heldout_documents(documents: int) -> int:
+    """How many of the user's ``documents`` (the last ones) a measured allocation holds out: a fifth,
+    at least one and at most :data:`HELDOUT_DOCS` (C4's share)."""
+    return max(1, min(HELDOUT_DOCS, documents // 5))
+
+
+def _or(names) -> str:
+    """``"a, b or c"``."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def _settings(args) -> dict:
-    """Everything decided from the options and the model's ``config.json`` alone (no model loaded)."""
+    """Everything decided from the options and the model's ``config.json`` alone (no model loaded),
+    and the user's own text (``--data PATH``) read."""
     from ..hf.data import TASKS as DATA_TASKS
+    from ..hf.user_data import data_source, load_documents
 
     if args.out is None and not args.dry_run:
         raise FisherkronError("--out is required (unless --dry-run)")
+    source = None if args.data is None else data_source(args.data, CALIBRATION)
+    own = isinstance(source, Path)  # the user's own text, not a built-in set
+    if args.text_field is not None and not own:
+        given = "no --data was given" if args.data is None else f"{args.data} is a built-in data set"
+        raise FisherkronError(f"--text-field names the text of a --data file or folder; {given}")
     info = opt.describe_model(args.model)
     if info.factorised:
         raise FisherkronError(f"{args.model} holds a model fisherkron already factorised; compress the original "
@@ -82,11 +119,14 @@ def _settings(args) -> dict:
                       args.model, info.architecture, info.head_labels, args.task))
     num_labels = None
     if task == "causal-lm":
-        data = args.data or "c4"
-        if data != "c4":
+        data = str(source) if own else args.data or "c4"
+        if not own and data != "c4":
             raise FisherkronError(f"--data {data} is a classification task, but {args.model} is compressed as a "
-                                  f"causal LM, which calibrates on c4; pass --task sequence-classification "
-                                  f"for a classifier")
+                                  f"causal LM, which calibrates on c4 or on your own text (--data PATH); pass "
+                                  f"--task sequence-classification for a classifier")
+    elif own:
+        raise FisherkronError(f"--data {args.data} is your own text, which calibrates a causal LM; {args.model} is "
+                              f"a sequence classifier: pass --data {_or(opt.CLASSIFICATION_DATA)}")
     else:
         if args.data in (None, "c4"):
             what = "c4 is language-modelling data for causal LMs" if args.data else "no --data was given"
@@ -139,11 +179,13 @@ def _settings(args) -> dict:
     if args.allocation == "calibrated" and not metric_given:
         args.calibrate_metric = RECOMMENDED.calibrate_metric
     opt.check_gradient_options(args, METHODS[args.method].kronecker)  # pairs that cannot go together; torchrun
-    if args.method == "svd" and (args.cache_dir is not None or args.no_cache):
-        notes.append((logging.INFO, "method svd needs no calibration: --cache-dir/--no-cache have no effect"))
+    if args.method == "svd" and (args.cache_dir is not None or args.no_cache or args.max_disk is not None):
+        notes.append((logging.INFO, "method svd needs no calibration: --cache-dir/--no-cache/--max-disk have no "
+                                    "effect"))
+    documents = load_documents(source, text_field=args.text_field) if own else None  # one line if it is bad
     for level, *msg in notes:
         log.log(level, *msg)
-    return {"task": task, "data": data, "num_labels": num_labels, "info": info}
+    return {"task": task, "data": data, "num_labels": num_labels, "info": info, "documents": documents}
 
 
 def _allocation(args, task: str) -> tuple[str, str | None]:
@@ -298,19 +340,26 @@ def _run_checked(args) -> int:
     dtype, source = _save_dtype(args, model)
     log.info("%s loaded as %s (%s params, stored in %s); %d layers selected", args.model, s["task"],
              f"{table['params_before']:,}", source or "an unknown dtype", len(names))
+    needs = _needs(args, model, names, seq_len)  # a --max-disk too small is refused here
+    if s["documents"] is not None:
+        _check_documents(args, s, tok, seq_len)
     if args.dry_run:
         if launch is not None and launch.rank != 0:
             return 0
         if not args.quiet:
             _print_table(table)
+            print(f"fisherkron: {_describe_needs(args, needs)}", file=sys.stderr)
         if args.allocation != "uniform":
             log.warning("--allocation %s chooses the ranks after calibration; the plan shown is the uniform one "
                         "for the same ratio", args.allocation)
-        print(json.dumps({"dry_run": True, "model": args.model, "task": s["task"], "method": args.method,
+        print(json.dumps({"dry_run": True, "model": args.model, "task": s["task"], "data": s["data"],
+                          "text_field": args.text_field, "method": args.method,
                           "allocation": args.allocation, **_metric(args), "recipe": _recipe(args),
-                          "calibration": _calibration(args, s, seq_len), "layers": len(names), "ranks": plan,
+                          "calibration": _calibration(args, s, seq_len), "max_disk": args.max_disk, "needs": needs,
+                          "layers": len(names), "ranks": plan,
                           **{k: v for k, v in table.items() if k != "rows"}, "dtype": dtype, "input_dtype": source}))
         return 0
+    log.info("%s", _describe_needs(args, needs))
     if source is not None and _itemsize(dtype) > _itemsize(source):
         log.warning("saving in %s, wider than the %s %s is stored in: each weight takes %d times its input size "
                     "on disk (--dtype auto keeps the input's)", dtype, source, args.model,
@@ -354,6 +403,93 @@ def _calibration(args, s: dict, seq_len: int) -> dict:
             "heldout_batches": HELDOUT_BATCHES if measured else 0}
 
 
+def _collects(args) -> bool:
+    """Whether the command collects a calibration: the method reads one, or the allocation reads a Fisher."""
+    return bool(METHODS[args.method].needs) or args.allocation in ("fisher", "calibrated")
+
+
+def _needs(args, model, names: list[str], seq_len: int) -> dict | None:
+    """What the calibration will take (:func:`fisherkron.hf.budget.calibration_needs` of the planned layers):
+    disk (gradients, statistics, MFF's factors, the peak; under ``--max-disk`` per group), a lower bound of
+    the memory and the forward + backward passes; ``None`` when nothing is collected.
+
+    A ``--max-disk`` under the smallest bound that works is refused in one line, naming the option.
+    """
+    from ..hf.budget import calibration_needs
+    from ..hf.calibration.disk import format_size
+
+    if not _collects(args):
+        return None
+    shape = dict(k=args.k, batch_size=args.batch_size, seq_len=seq_len, grad_dtype=args.grad_dtype,
+                 granularity=args.granularity)
+    needs = calibration_needs(model, names, _methods(args), **shape)
+    if args.max_disk is None:
+        return needs
+    least, bound = needs["min_max_disk"], format_size(args.max_disk)
+    kept = needs["statistics_bytes"] + needs["factor_bytes"]  # on disk to the end, whatever the groups
+    what = "statistics and MFF factors" if needs["gradient_bytes"] else "statistics"
+    if kept >= args.max_disk:
+        raise FisherkronError(f"--max-disk {bound} is too small for this calibration: the {what} of its "
+                              f"{needs['layers']} layers alone take {format_size(kept)}, kept to the end; raise "
+                              f"--max-disk to at least {format_size(least)} or select fewer layers (--layers)")
+    if args.max_disk < least:
+        raise FisherkronError(f"--max-disk {bound} is too small for this calibration: the {what} of its "
+                              f"{needs['layers']} layers and the largest layer's gradients need at least "
+                              f"{format_size(least)} on disk at once; raise --max-disk to at least "
+                              f"{format_size(least)}, store the gradients in 16 bits (--grad-dtype bfloat16), "
+                              f"lower --k, or select fewer layers (--layers)")
+    return calibration_needs(model, names, _methods(args), max_disk=args.max_disk, **shape)
+
+
+def _describe_needs(args, needs: dict | None) -> str:
+    """One line of what the calibration will take (the dry run's, for people; its JSON has the numbers)."""
+    from ..hf.calibration.disk import format_size as size
+
+    if needs is None:
+        return f"method {args.method} calibrates nothing: no calibration disk, no forward + backward passes"
+    grads = size(needs["gradient_bytes"]) + ("" if needs["gradient_bytes"] else f" ({args.method} stores none)")
+    bounded = ""
+    if args.max_disk is not None:
+        bounded = (f"; under --max-disk {size(args.max_disk)}: {needs['groups']} group(s) of layers, "
+                   f"{size(needs['gradient_bytes_bounded'])} of gradients at once, at most "
+                   f"{size(needs['disk_bytes_bounded'])} on disk")
+    model = f" (the model: {size(needs['model_bytes'])})" if needs["model_bytes"] is not None else ""
+    return (f"the calibration will need: gradients {grads}, statistics {size(needs['statistics_bytes'])}, MFF "
+            f"factors {size(needs['factor_bytes'])}, at most {size(needs['disk_bytes'])} on disk without a bound"
+            f"{bounded}; at least {size(needs['memory_bytes'])} of memory{model}; {needs['k']} batches x "
+            f"{needs['groups']} group(s) = {needs['passes']} forward + backward passes")
+
+
+def _check_documents(args, s: dict, tok, seq_len: int) -> None:
+    """Refuse the user's text (``--data PATH``) when it is too short for ``--k`` batches, or, for a measured
+    allocation, when its held-out last documents are too short for :data:`HELDOUT_BATCHES` batches (one
+    line each, with the tokens needed and the tokens there)."""
+    from ..hf.data import window_ids
+    from ..hf.user_data import check_enough_tokens
+
+    docs, data = s["documents"], s["data"]
+    if args.allocation not in MEASURED:
+        check_enough_tokens(tok, docs, args.k, args.batch_size, seq_len, source=data)
+        return
+    n = heldout_documents(len(docs))
+    check_enough_tokens(tok, docs[:-n], args.k, args.batch_size, seq_len,
+                        source=f"{data} (less its last {n} of {len(docs)} documents, held out for --allocation "
+                               f"{args.allocation})")
+    need = HELDOUT_BATCHES * args.batch_size * seq_len
+    eos = 0 if tok.eos_token_id is None else 1
+    have = 0
+    for doc in docs[-n:]:  # counted as lm_batches joins them: the tokens, an EOS after each document
+        have += len(window_ids(tok, doc)) + eos
+        if have >= need:
+            return
+    raise FisherkronError(f"{data}: its last {n} of {len(docs)} documents, held out to measure --allocation "
+                          f"{args.allocation} on {HELDOUT_BATCHES} batches, give {have} tokens, but "
+                          f"{HELDOUT_BATCHES} x batch_size x seq_len = {HELDOUT_BATCHES} x {args.batch_size} x "
+                          f"{seq_len} = {need} are needed: give more text (the last fifth of the documents, at most "
+                          f"{HELDOUT_DOCS}, is held out), lower --batch-size or --seq-len, or use --allocation fisher "
+                          f"or uniform, which measure nothing")
+
+
 def _itemsize(dtype: str) -> int:
     import torch
 
@@ -366,9 +502,10 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
     progress = not args.quiet
     allocation_options = None
     if s["task"] == "causal-lm":
-        docs = api.c4_documents()
+        docs = api.c4_documents() if s["documents"] is None else s["documents"]
         if args.allocation in MEASURED:  # the measurements use documents the calibration does not see
-            docs, held = docs[:-HELDOUT_DOCS], docs[-HELDOUT_DOCS:]
+            n = HELDOUT_DOCS if s["documents"] is None else heldout_documents(len(docs))
+            docs, held = docs[:-n], docs[-n:]
             allocation_options = {"heldout": api.lm_batches(tok, held, HELDOUT_BATCHES, batch_size=args.batch_size,
                                                             seq_len=seq_len, seed=args.seed + 1)}
             allocation_options.update({k: v for k, v in (("calibrate_metric", args.calibrate_metric),
@@ -383,19 +520,18 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
     if args.ppl_tokens and launch is None:
         before = _ptb(api, model, tok, args, ppl_seq_len, progress).ppl
     stats = None
-    fisher = args.allocation in ("fisher", "calibrated")  # the allocations that read a Kronecker Fisher
-    methods = _methods(args)
-    if METHODS[args.method].needs or fisher:  # the planned layers (a tied lm_head, a layer too large left out)
-        stats = api.collect_calibration(model, batches, names, k=args.k, seed=args.seed,
-                                        methods=methods, cache=not args.no_cache,
-                                        cache_dir=args.cache_dir, progress=progress,
-                                        grad_dtype=args.grad_dtype, granularity=args.granularity,
-                                        group=None if launch is None else launch.group)
-    mff_options = {}
+    mff_options = {}  # MFF's options: under --max-disk the calibration runs MFF, and compression reads its factors
     if args.device is not None and launch is None:
         mff_options["device"] = args.device
     if args.tol is not None:
         mff_options["tol"] = args.tol
+    if _collects(args):  # the planned layers (a tied lm_head, a layer too large left out)
+        stats = api.collect_calibration(model, batches, names, k=args.k, seed=args.seed,
+                                        methods=_methods(args), cache=not args.no_cache,
+                                        cache_dir=args.cache_dir, progress=progress,
+                                        grad_dtype=args.grad_dtype, granularity=args.granularity,
+                                        group=None if launch is None else launch.group,
+                                        max_disk=args.max_disk, mff_options=mff_options)
     if launch is not None:
         if METHODS[args.method].kronecker:  # the factors go to the calibration cache, where compress reads them
             from ..hf.distributed import precompute_kronecker
@@ -420,7 +556,8 @@ def _calibrate_compress_save(api, args, s: dict, model, tok, seq_len: int, names
                               overwrite_edited=args.overwrite_edited)
     from ..hf.saving import MANIFEST
     saved = sum(spec["size"] for spec in json.loads((out / MANIFEST).read_text())["files"].values())
-    summary = {"out": str(out), "model": args.model, "task": s["task"], "data": s["data"], "method": args.method,
+    summary = {"out": str(out), "model": args.model, "task": s["task"], "data": s["data"],
+               "text_field": args.text_field, "max_disk": args.max_disk, "method": args.method,
                "ratio": report.ratio, "params_before": report.params_before, "params_after": report.params_after,
                "allocation": report.allocation, "allocation_details": report.allocation_details,
                "allocation_cost": report.allocation_cost, "recipe": report.recipe,
@@ -507,9 +644,12 @@ def add_compress_command(sub, verbosity_options) -> None:
     g.add_argument("--task", choices=opt.TASKS, default=None,
                    help="how to load the model (default: from its config.json architectures; "
                         "minilm: sequence-classification, smollm2: causal-lm)")
-    g.add_argument("--data", default=None, choices=CALIBRATION,
-                   help="calibration data (default: c4 for a causal LM; a classifier names its task: sst2, boolq "
-                        "or trec)")
+    g.add_argument("--data", default=None, metavar="NAME|PATH",
+                   help="c4 (default, causal LMs); sst2, boolq or trec (classifiers); or PATH to your own text for "
+                        "a causal LM: .txt (documents separated by blank lines), .jsonl, .json, .csv, .parquet, or "
+                        "a save_to_disk folder")
+    g.add_argument("--text-field", default=None, metavar="NAME",
+                   help="the field or column of --data PATH that holds the text (default: text)")
     g.add_argument("--device", type=opt.device, default=None, help="cpu, cuda, cuda:N or mps (default: cpu)")
 
     g = c.add_argument_group("how much", "a whole-model ratio or one rank for every layer (exactly one), and the "
@@ -546,9 +686,10 @@ def add_compress_command(sub, verbosity_options) -> None:
                         f"protocol; fisher: Theorem 1's predicted loss increase, no model evaluation; calibrated: "
                         f"those curves scaled through one measured point per layer, ranks by an exact integer "
                         f"program; lems: LEMS's allocation. The measured ones (sensitivity, calibrated, lems) evaluate "
-                        f"{HELDOUT_BATCHES} held-out batches from the last {HELDOUT_DOCS} C4 documents, which the "
-                        f"calibration never sees (default: {r.allocation}, the recommended recipe's, for --ratio on "
-                        f"a causal LM; uniform with --rank, for a classifier and for svd)")
+                        f"{HELDOUT_BATCHES} held-out batches from the last {HELDOUT_DOCS} C4 documents (of --data "
+                        f"PATH: its last fifth, at most {HELDOUT_DOCS}), which the calibration never sees (default: "
+                        f"{r.allocation}, the recommended recipe's, for --ratio on a causal LM; uniform with --rank, "
+                        f"for a classifier and for svd)")
     g.add_argument("--calibrate-metric", choices=("kl", "loss"), default=None,
                    help=f"what --allocation calibrated measures: the KL divergence from the dense model's outputs "
                         f"(kl) or the held-out loss increase (loss) (default: {r.calibrate_metric}, the recommended "
@@ -576,6 +717,11 @@ def add_compress_command(sub, verbosity_options) -> None:
     g.add_argument("--no-cache", action="store_true",
                    help="do not reuse or keep calibration results (they go to a private folder under the cache "
                         "folder, deleted afterwards)")
+    g.add_argument("--max-disk", type=opt.disk_size, default=None, metavar="SIZE",
+                   help="the most disk the calibration may take, e.g. 20GB, 1.5TB or 500MiB: the layers are "
+                        "collected in groups, MFF runs on each group's gradients and keeps only its factors, at "
+                        "k x groups forward + backward passes, which --dry-run counts (default: unbounded, "
+                        "every gradient kept)")
 
     g = c.add_argument_group("output")
     g.add_argument("--out", default=None,
@@ -592,7 +738,9 @@ def add_compress_command(sub, verbosity_options) -> None:
                    help="save W2 W1 multiplied back into dense weights: a plain Hugging Face folder any tool "
                         "loads, no saving on disk (default: the factorised form, read by fisherkron.load_compressed)")
     g.add_argument("--dry-run", action="store_true",
-                   help="load the model, plan the ranks, print them and the parameter counts; calibrate nothing")
+                   help="load the model, plan the ranks, print them, the parameter counts and what the calibration "
+                        "will need (disk, also under --max-disk, memory, forward + backward passes); check --data "
+                        "PATH; calibrate nothing")
 
     g = c.add_argument_group("evaluation", "PTB test perplexity before and after (causal LMs), as the studies "
                                            "score it")

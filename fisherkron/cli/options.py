@@ -33,6 +33,7 @@ __all__ = [
     "input_dtype",
     "stored_dtype",
     "device",
+    "disk_size",
     "max_positions",
     "non_negative_float",
     "non_negative_int",
@@ -121,6 +122,17 @@ def ratio(text: str) -> float:
 def tol(text: str) -> float:
     """A relative tolerance in (0, 1)."""
     return _open_unit(text, "a tolerance")
+
+
+def disk_size(text: str) -> int:
+    """A disk size in bytes, from ``20GB``, ``1.5TB``, ``500MiB`` or a number of bytes
+    (:func:`fisherkron.hf.calibration.disk.parse_size`)."""
+    from ..hf.calibration.disk import parse_size
+
+    try:
+        return parse_size(text)
+    except FisherkronError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 _DEVICE = re.compile(r"(cpu|mps|cuda)(?::(\d+))?")
@@ -222,7 +234,8 @@ def check_gradient_options(args, kronecker: bool) -> None:
       pair too, but only once the model and the data are loaded);
     * under torchrun (``WORLD_SIZE > 1``) the calibration writes float32 per-batch gradients into
       one shared file (:func:`fisherkron.collect_calibration` with ``group=``), so
-      ``--grad-dtype`` other than float32 and ``--granularity token`` are single-process options;
+      ``--grad-dtype`` other than float32, ``--granularity token`` and ``--max-disk`` (which collects
+      the layers in groups, one process) are single-process options;
       and ``--mff-parallel`` spreads MFF, which a method without MFF (``kronecker`` False) never runs.
     """
     if args.granularity == "token" and args.grad_dtype != "float32":
@@ -232,7 +245,8 @@ def check_gradient_options(args, kronecker: bool) -> None:
     if world <= 1:
         return
     single = [opt for opt, given in (("--grad-dtype " + args.grad_dtype, args.grad_dtype != "float32"),
-                                     ("--granularity token", args.granularity == "token")) if given]
+                                     ("--granularity token", args.granularity == "token"),
+                                     ("--max-disk", getattr(args, "max_disk", None) is not None)) if given]
     if single:
         raise FisherkronError(f"{' and '.join(single)} run in one process only: under torchrun (WORLD_SIZE={world}) "
                               f"the ranks write float32 per-batch gradients into one shared file; drop "
