@@ -46,6 +46,9 @@ from ..core.checks import check_rank
 from ..core.conventions import FisherkronError
 from ..core.lowrank import lowrank_params, rank_for_ratio
 from ..core.methods import METHODS
+from .calibration.disk import layer_disk, parse_size, plan_groups
+from .calibration.entry import METHOD_STATS, STATS
+from .calibration.layers import select_layers
 
 __all__ = ["count_params", "plan_ranks", "check_ratio", "params_after", "shared_weights", "drop_shared",
            "factor_bytes", "available_memory", "check_factor_memory", "FACTOR_COPIES", "calibration_needs"]
@@ -356,9 +359,6 @@ def calibration_needs(model, layers=None, methods=("gfwsvd",), *, k: int, batch_
     >>> round(need["gradient_bytes"] / 1e9), need["groups"], need["passes"]  # GB of an unbounded entry
     (971, 5, 375)
     """
-    from .calibration.disk import layer_disk, parse_size, plan_groups
-    from .calibration.entry import METHOD_STATS, STATS
-
     methods = [methods] if isinstance(methods, str) else list(methods)
     unknown = [m for m in methods if m not in METHOD_STATS]
     if unknown:
@@ -368,8 +368,6 @@ def calibration_needs(model, layers=None, methods=("gfwsvd",), *, k: int, batch_
         shapes = {str(n): (int(s[0]), int(s[1])) for n, s in model.items()}
         model_bytes = None if params is None or param_bytes is None else params * param_bytes
     else:
-        from .calibration import select_layers
-
         mods = dict(model.named_modules())
         shapes = {n: (mods[n].out_features, mods[n].in_features) for n in select_layers(model, layers)}
         params = count_params(model) if params is None else params
