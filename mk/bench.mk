@@ -21,3 +21,20 @@ bench-replot: $(STAMP) ## redraw figures/bench/fig_bench_mff.{png,pdf} from the 
 
 bench-quick: $(STAMP) ## the benchmark on tiny sizes into build/bench-quick/ (seconds; checks that it runs)
 	$(PY) scripts/bench_mff.py --quick --out build/bench-quick
+
+# The recommended recipe against the old default (scripts/bench_recipe.py): a benchmark, not a test. Each case is one
+# `fisherkron compress` command on SmolLM2 with a fresh cache; finished cases are kept in build/bench-recipe/cases/,
+# so an interrupted run resumes (RECIPE_ARGS=--force measures them all again). The unbounded GFWSVD cases need about
+# 17 GB of free disk under build/bench-recipe/scratch/ while they run.
+RECIPE_ARGS ?=
+RECIPE_SRC  := scripts/bench_recipe.py $(wildcard fisherkron/cli/*.py) $(HF_SRC) $(EXP)/llm_compression.py
+RECIPE_OUT  := $(foreach e,csv md tex provenance.json,$(BENCH_DIR)/bench_recipe.$e)
+
+.PHONY: bench-recipe bench-recipe-quick
+.PRECIOUS: $(RECIPE_OUT)
+bench-recipe: $(RECIPE_OUT) ## the recommended recipe vs the old default (GFWSVD, uniform) on SmolLM2 at ratios 0.1, 0.2: perplexity, time, peak calibration disk (about 3 h on 2 idle cores; resumable)
+$(RECIPE_OUT) &: $(RECIPE_SRC) $(CORE_SRC) | $(STAMP)
+	$(PY) scripts/bench_recipe.py --out $(BENCH_DIR) $(RECIPE_ARGS)
+
+bench-recipe-quick: $(STAMP) ## the recipe benchmark on a tiny random Llama into build/bench-recipe-quick/ (about 2 min; checks that it runs)
+	$(PY) scripts/bench_recipe.py --quick --out build/bench-recipe-quick
