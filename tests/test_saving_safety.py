@@ -350,16 +350,18 @@ def test_ctrl_c_while_the_files_are_written_leaves_nothing(earlier, monkeypatch)
     model, out, before, model2 = earlier
     import transformers.modeling_utils as mu
 
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as Python handles it (conftest restores)
-
     def interrupted(*a, **k):
         signal.raise_signal(signal.SIGINT)  # to this thread: the handler runs before the next line
         for _ in range(50):  # (a signal another thread took runs its handler at the next loop step)
             time.sleep(0.1)
         pytest.fail("the signal did not stop the save")
     monkeypatch.setattr(mu, "safe_save_file", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        save_compressed(model2, out, overwrite=True)
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as Python handles it
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            save_compressed(model2, out, overwrite=True)
+    finally:
+        signal.signal(signal.SIGINT, found)
     assert _snapshot(out) == before and _no_temporaries(out)
 
 
