@@ -19,9 +19,8 @@ import re
 from pathlib import Path
 
 import pytest
-from test_cli_robustness import VOCAB, _save
+from test_cli_robustness import _save, tiny_classifier
 from tiny_models import tiny_llama
-from transformers import BertConfig, BertForSequenceClassification
 
 import fisherkron.hf as api
 from fisherkron.cli import build_parser, main
@@ -34,10 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    bert = BertForSequenceClassification(BertConfig(
-        vocab_size=len(VOCAB), hidden_size=20, num_hidden_layers=2, num_attention_heads=2, intermediate_size=36,
-        max_position_embeddings=32, num_labels=2)).eval()
-    return {"llama": _save(tiny_llama(), root / "llama"), "bert": _save(bert, root / "bert")}
+    return {"llama": _save(tiny_llama(), root / "llama"), "bert": _save(tiny_classifier(), root / "bert")}
 
 
 @pytest.fixture(autouse=True)

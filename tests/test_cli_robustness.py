@@ -32,12 +32,17 @@ def _save(model, folder):
     return folder
 
 
+def tiny_classifier() -> BertForSequenceClassification:
+    """A two-label BERT classifier over :data:`VOCAB`, 32 positions."""
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=len(VOCAB), hidden_size=20, num_hidden_layers=2, num_attention_heads=2, intermediate_size=36,
+        max_position_embeddings=32, num_labels=2)).eval()
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    bert = BertForSequenceClassification(BertConfig(
-        vocab_size=len(VOCAB), hidden_size=20, num_hidden_layers=2, num_attention_heads=2, intermediate_size=36,
-        max_position_embeddings=32, num_labels=2)).eval()
+    bert = tiny_classifier()
     bert3 = tiny_bert()  # a 3-label head
     bert3.resize_token_embeddings(len(VOCAB))
     return {"llama": _save(tiny_llama(), root / "llama"), "bert": _save(bert, root / "bert"),

@@ -16,8 +16,8 @@ import struct
 
 import pytest
 import torch
+from test_cli_robustness import _save
 from tiny_models import token_batches, tiny_llama
-from transformers import BertTokenizerFast
 
 import fisherkron.hf as api
 import fisherkron.hf.budget as budget
@@ -28,21 +28,10 @@ from fisherkron.core.lowrank import LowRankLinear
 from fisherkron.hf.saving import MANIFEST, load_compressed, save_compressed
 from fisherkron.hf.surgery import compress
 
-CHARS = "abcdefghijklmnopqrstuvwxyz"
-VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(CHARS) + list("0123456789.,'-")
 #: a real run of the command on a tiny model: rank 2, two calibration batches of two 16-token sequences
 FAST = ["--rank", "2", "--k", "2", "--batch-size", "2", "--seq-len", "16", "--no-cache"]
 #: what one rank-2 lm_head of the tiny Llama's (97 x 24) factors need at least: 3 float64 copies of m^2 + n^2
 LM_HEAD_BYTES = 3 * 8 * (97 ** 2 + 24 ** 2)
-
-
-def _folder(model, folder):
-    """``model`` saved as a Hugging Face folder with a small WordPiece tokenizer."""
-    folder.mkdir(parents=True)
-    model.save_pretrained(folder)
-    (folder / "vocab.txt").write_text("\n".join(VOCAB))
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), eos_token="[SEP]").save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(autouse=True)
@@ -54,9 +43,9 @@ def data_root(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {"bf16": _folder(tiny_llama().to(torch.bfloat16), root / "bf16"),
-            "f32": _folder(tiny_llama(), root / "f32"),
-            "tied": _folder(tiny_llama(tie_word_embeddings=True), root / "tied")}
+    return {"bf16": _save(tiny_llama().to(torch.bfloat16), root / "bf16"),
+            "f32": _save(tiny_llama(), root / "f32"),
+            "tied": _save(tiny_llama(tie_word_embeddings=True), root / "tied")}
 
 
 def run(argv, capsys) -> tuple[int, str, list[str]]:
