@@ -25,7 +25,7 @@ from typing import Any
 from ..core.conventions import FisherkronError
 from ..env import REPO_ROOT, shown
 
-__all__ = ["VERDICTS", "Item", "ITEMS", "load_records", "results", "results_table"]
+__all__ = ["VERDICTS", "Item", "ITEMS", "load_records", "results", "table_cell", "results_table"]
 
 VERDICTS = ("holds", "holds in part", "not at this scale", "cannot tell", "does not hold")
 Records = dict[str, dict[str, Any]]
@@ -549,7 +549,7 @@ def results(figures: Path = REPO_ROOT / "figures") -> list[dict[str, str]]:
     return rows
 
 
-def _cell(text: str) -> str:
+def table_cell(text: str) -> str:
     """A table cell: one line, its pipes escaped."""
     return " ".join(str(text).split()).replace("|", "\\|")
 
@@ -568,7 +568,7 @@ def results_table(rows: list[dict[str, str]], link: Callable[[str], str] = lambd
     for r in rows:
         if r["group"] != group:
             group = r["group"]
-            lines.append(f"| **{_cell(group)}** | | | | | |")
-        lines.append(f"| {_cell(r['title'])} | {_cell(r['claim'])} | {_cell(r['paper'])} | {_cell(r['ours'])} "
-                     f"| **{_cell(r['verdict'])}** | [{r['notebook']}]({link(r['notebook'])}) |")
+            lines.append(f"| **{table_cell(group)}** | | | | | |")
+        lines.append(f"| {table_cell(r['title'])} | {table_cell(r['claim'])} | {table_cell(r['paper'])} | {table_cell(r['ours'])} "
+                     f"| **{table_cell(r['verdict'])}** | [{r['notebook']}]({link(r['notebook'])}) |")
     return "\n".join(lines)
