@@ -464,8 +464,7 @@ def _check_documents(args, s: dict, tok, seq_len: int) -> None:
     """Refuse the user's text (``--data PATH``) when it is too short for ``--k`` batches, or, for a measured
     allocation, when its held-out last documents are too short for :data:`HELDOUT_BATCHES` batches (one
     line each, with the tokens needed and the tokens there)."""
-    from ..hf.data import window_ids
-    from ..hf.user_data import check_enough_tokens
+    from ..hf.user_data import check_enough_tokens, count_tokens
 
     docs, data = s["documents"], s["data"]
     if args.allocation not in MEASURED:
@@ -476,12 +475,9 @@ def _check_documents(args, s: dict, tok, seq_len: int) -> None:
                         source=f"{data} (less its last {n} of {len(docs)} documents, held out for --allocation "
                                f"{args.allocation})")
     need = HELDOUT_BATCHES * args.batch_size * seq_len
-    eos = 0 if tok.eos_token_id is None else 1
-    have = 0
-    for doc in docs[-n:]:  # counted as lm_batches joins them: the tokens, an EOS after each document
-        have += len(window_ids(tok, doc)) + eos
-        if have >= need:
-            return
+    have = count_tokens(tok, docs[-n:], need)
+    if have >= need:
+        return
     raise FisherkronError(f"{data}: its last {n} of {len(docs)} documents, held out to measure --allocation "
                           f"{args.allocation} on {HELDOUT_BATCHES} batches, give {have} tokens, but "
                           f"{HELDOUT_BATCHES} x batch_size x seq_len = {HELDOUT_BATCHES} x {args.batch_size} x "

@@ -40,7 +40,7 @@ from ..core.conventions import FisherkronError
 from ..env import set_offline_env
 from .data import window_ids
 
-__all__ = ["FILE_TYPES", "load_documents", "check_enough_tokens", "data_source"]
+__all__ = ["FILE_TYPES", "load_documents", "count_tokens", "check_enough_tokens", "data_source"]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,18 @@ def load_documents(source: str | os.PathLike, *, text_field: str | None = None,
     return documents
 
 
+def count_tokens(tokenizer, documents: Sequence[str], need: int) -> int:
+    """The tokens ``documents`` give as :func:`~fisherkron.hf.data.lm_batches` joins them (each
+    document's tokens, then an EOS), counted until there are ``need`` (so at most a little more)."""
+    eos = 0 if tokenizer.eos_token_id is None else 1
+    have = 0
+    for doc in documents:
+        have += len(window_ids(tokenizer, doc)) + eos
+        if have >= need:
+            break
+    return have
+
+
 def check_enough_tokens(tokenizer, documents: Sequence[str] | str, k: int, batch_size: int, seq_len: int, *,
                         source: str | os.PathLike | None = None) -> int:
     """Refuse documents too short for ``k`` batches of ``batch_size`` windows of ``seq_len`` tokens.
@@ -222,12 +234,9 @@ def check_enough_tokens(tokenizer, documents: Sequence[str] | str, k: int, batch
     if isinstance(documents, str):
         documents = [documents]
     need = k * batch_size * seq_len
-    eos = 0 if tokenizer.eos_token_id is None else 1
-    have = 0
-    for doc in documents:
-        have += len(window_ids(tokenizer, doc)) + eos
-        if have >= need:
-            return have
+    have = count_tokens(tokenizer, documents, need)
+    if have >= need:
+        return have
     where = "" if source is None else f"{os.fspath(source)}: "
     raise FisherkronError(f"{where}{len(documents)} documents give {have} tokens, but k x batch_size x seq_len = "
                           f"{k} x {batch_size} x {seq_len} = {need} are needed: lower k, batch_size or seq_len, "
