@@ -14,7 +14,6 @@ paper's numbers are quotations of the paper; ours are read from the records, nev
 """
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.conventions import FisherkronError
-from ..env import REPO_ROOT, shown
+from ..env import REPO_ROOT, json_object, read_committed, shown
 
 __all__ = ["VERDICTS", "Item", "ITEMS", "load_records", "results", "table_cell", "results_table"]
 
@@ -445,12 +444,6 @@ ITEMS: tuple[Item, ...] = (
 
 # -------------------------------------------------------------------------------- records, results
 
-def _damaged(path: Path, reason: Any) -> FisherkronError:
-    reason = " ".join(str(reason).split())
-    return FisherkronError(f"damaged record {path}: {reason}; restore it from git "
-                           f"(git checkout -- {path.parent.name}/{path.name})")
-
-
 def load_records(figures: Path) -> Records:
     """Every ``*.provenance.json`` in ``figures``, by name (``tab_x`` for ``tab_x.provenance.json``).
 
@@ -492,10 +485,8 @@ def _executed_status(notebook: Path) -> dict[str, int] | None:
     """A committed executed notebook's cells and error outputs (None when there is none)."""
     if not notebook.is_file():
         return None
-    try:
-        cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise _damaged(notebook, exc) from exc
+    cells = read_committed(notebook, json_object({"cells": "list"}), what="an executed notebook (JSON)",
+                           remake=f"re-run `make {notebook.stem}`")["cells"]
     errors = sum(o.get("output_type") == "error" for c in cells for o in c.get("outputs", []))
     return {"cells": len(cells), "errors": errors}
 
