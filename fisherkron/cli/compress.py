@@ -636,7 +636,8 @@ def add_compress_command(sub, verbosity_options) -> None:
                                    f"checked before any data is read.")
     verbosity_options(c, top=False)
     g = c.add_argument_group("model and data")
-    g.add_argument("model", help="smollm2 | minilm | a local HF folder | a hub name (paper profile, needs the hub)")
+    g.add_argument("model", help="an embedded model: smollm2, gemma3-270m, qwen2.5-0.5b (decoders), minilm (encoder) | "
+                                   "a local HF folder | a hub name (paper profile, needs the hub)")
     g.add_argument("--task", choices=opt.TASKS, default=None,
                    help="how to load the model (default: from its config.json architectures; "
                         "minilm: sequence-classification, smollm2: causal-lm)")

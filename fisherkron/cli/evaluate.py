@@ -116,9 +116,10 @@ def _run(args) -> int:
 def add_evaluate_command(sub, verbosity_options) -> None:
     e = sub.add_parser("evaluate", help="PTB perplexity / lm-eval tasks / classification metrics of a model",
                        description="Score a model saved by `fisherkron compress`, a plain Hugging Face folder "
-                                   "or an embedded model (smollm2, minilm); prints one JSON line.")
+                                   "or an embedded model (smollm2, gemma3-270m, qwen2.5-0.5b, minilm); prints one JSON line.")
     verbosity_options(e, top=False)
-    e.add_argument("model", help="a folder written by fisherkron compress | a local HF folder | smollm2 | minilm")
+    e.add_argument("model", help="a folder written by fisherkron compress | a local HF folder | an embedded model: "
+                                   "smollm2, gemma3-270m, qwen2.5-0.5b, minilm")
     e.add_argument("--task", choices=opt.TASKS, default=None,
                    help="how to load a plain folder or embedded model (default: from its config.json)")
     e.add_argument("--ppl-tokens", type=opt.positive_int, default=None,

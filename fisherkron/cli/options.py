@@ -311,7 +311,7 @@ def describe_model(name: str) -> ModelInfo:
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise FisherkronError(f"{name} is a file; give a model folder, 'smollm2' or 'minilm'")
+            raise FisherkronError(f"{name} is a file; give a model folder or an embedded model ('smollm2' or 'minilm')")
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise FisherkronError(f"{name} has no config.json; it is not a Hugging Face model folder")

@@ -10,6 +10,7 @@ module                 what it holds
 ``distributed``        data-parallel MFF over a ``torch.distributed`` group: one all-reduce per product
 ``kfac``               K-FAC factors, MFF's warm start
 ``regularization``     making ``A``, ``B`` positive definite (Sec. 5, "Singularity")
+``shrinkage``          ``A``, ``B`` shrunk toward their diagonals, the intensity from split halves
 ``wsvd``               the weighted SVD: GFWSVD (Theorem 1, Eq. (7)) and its special cases
 ``methods``            the compression methods in one table
 ``lowrank``            ``LowRankLinear``: ``W ~= W2 W1`` as a module
@@ -28,6 +29,7 @@ from .lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_
 from .methods import METHODS, Method, factorize_weight
 from .operators import GradientStack, RearrangedFisher, matvec_flops, rearranged_fisher
 from .regularization import MIN_ALPHA, Regularized, regularize
+from .shrinkage import shrink_to_diagonal, split_half_intensity
 from .wsvd import Factors, asvd, fisher_weighted_error, fwsvd, fwsvd_rows, gfwsvd, svd, svd_llm, weighted_svd
 
 __all__ = [
@@ -35,7 +37,7 @@ __all__ = [
     "rearranged_fisher", "RearrangedFisher", "GradientStack", "matvec_flops",
     "mff", "MFFResult", "kronecker_terms", "MFF_DTYPES", "mff_dtype",
     "kfac_factors", "KFACFactors",
-    "regularize", "Regularized", "MIN_ALPHA",
+    "regularize", "Regularized", "MIN_ALPHA", "shrink_to_diagonal", "split_half_intensity",
     "weighted_svd", "gfwsvd", "svd", "fwsvd", "fwsvd_rows", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
     "METHODS", "Method", "factorize_weight",
     "LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio",

@@ -16,6 +16,8 @@ method              needs            factors of ``W`` (``n x m``)
 ``gfwsvd``          ``grads``        GFWSVD, Theorem 1 / Eq. (7), ``A (x) B`` from MFF (Alg. 1)
 ``gfwsvd_diag``     ``grads``        App. "Impact of diagonal and non-diagonal elements": ``diag(A), diag(B)``
 ``gfwsvd_offdiag``  ``grads``        same appendix: the diagonals of ``A, B`` nulled (see :func:`ablate`)
+``gfwsvd_shrunk``   ``grads``        GFWSVD with ``(1 - lambda) A + lambda diag(A)`` (the same for ``B``), ``lambda``
+                                     from split halves of the gradients (:mod:`fisherkron.core.shrinkage`)
 ``kfac_svd``        ``kfac``         Theorem 1 / Eq. (7) with the K-FAC factors ``E[x x^T]``, ``E[delta delta^T]``
 ==================  ===============  ==========================================================
 
@@ -25,7 +27,9 @@ method              needs            factors of ``W`` (``n x m``)
 MFF (with whatever start and tolerance they choose) and pass the factors. ``kfac`` are the
 per-token K-FAC factors (:func:`fisherkron.kfac_factors`), MFF's warm start: KFAC-SVD is the
 same transform as GFWSVD with them in place of MFF's best Kronecker fit (not in the paper;
-the strongest baseline we know of, so it belongs in every comparison).
+the strongest baseline we know of, so it belongs in every comparison). ``gfwsvd_shrunk`` (not in the
+paper either) reads MFF's factors and the intensities ``(lambda_A, lambda_B)`` that
+:func:`~fisherkron.core.shrinkage.split_half_intensity` estimates from MFF on each half of the gradients.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ import torch
 from .checks import check_matrix, check_rank
 from .conventions import FisherkronError
 from .regularization import MIN_ALPHA
+from .shrinkage import shrink_to_diagonal
 from .wsvd import Decomposition, Factors, asvd_weight, cholesky_weight, decompose, fwsvd_rows_weight, fwsvd_weight
 
 __all__ = ["Method", "METHODS", "method", "Weights", "method_weights", "decompose_weight", "factorize_weight",
@@ -68,6 +73,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("gfwsvd", ("grads",), "GFWSVD: Theorem 1 with MFF's A (x) B"),
     Method("gfwsvd_diag", ("grads",), "GFWSVD with diag(A), diag(B) only (appendix ablation)"),
     Method("gfwsvd_offdiag", ("grads",), "GFWSVD with the diagonals of A, B nulled (appendix ablation)"),
+    Method("gfwsvd_shrunk", ("grads",), "GFWSVD with A, B shrunk toward their diagonals (split-half intensity)"),
     Method("kfac_svd", ("kfac",), "KFAC-SVD: Theorem 1 with the K-FAC factors E[x x^T], E[delta delta^T]"),
 )}
 
@@ -115,8 +121,11 @@ class Weights(NamedTuple):
 
 def method_weights(name: str, n: int, m: int, *, A=None, B=None, diag_fisher=None, abs_mean=None, xxt=None,
                    kfac=None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
-                   regularization: str = "diag", asvd_alpha: float = 0.5, layer: str = "weight") -> Weights:
-    """The weights method ``name`` uses for an ``n x m`` layer, from the statistics it needs (see the table)."""
+                   regularization: str = "diag", asvd_alpha: float = 0.5, shrinkage=None,
+                   layer: str = "weight") -> Weights:
+    """The weights method ``name`` uses for an ``n x m`` layer, from the statistics it needs (see the table).
+
+    ``shrinkage``: ``(lambda_A, lambda_B)`` of ``gfwsvd_shrunk`` (ignored by every other method)."""
     meth = method(name)
     given = {"diag_fisher": diag_fisher, "abs_mean": abs_mean, "xxt": xxt, "kfac": kfac,
              "grads": None if A is None or B is None else (A, B)}
@@ -139,6 +148,13 @@ def method_weights(name: str, n: int, m: int, *, A=None, B=None, diag_fisher=Non
     shift = 0.0
     if name == "kfac_svd":
         A, B = kfac[0], kfac[1]
+    elif name == "gfwsvd_shrunk":
+        if shrinkage is None:
+            raise FisherkronError(f"method gfwsvd_shrunk needs the shrinkage intensities (lambda_A, lambda_B) for "
+                                  f"layer {layer} (fisherkron.core.shrinkage.split_half_intensity)")
+        lam_A, lam_B = shrinkage
+        A = shrink_to_diagonal(A, lam_A, f"{layer}: A")
+        B = shrink_to_diagonal(B, lam_B, f"{layer}: B")
     elif name != "gfwsvd":
         part = name.removeprefix("gfwsvd_")
         (A, shift), (B, _) = ablate(torch.as_tensor(A), part), ablate(torch.as_tensor(B), part)
@@ -151,7 +167,7 @@ def method_weights(name: str, n: int, m: int, *, A=None, B=None, diag_fisher=Non
 
 def decompose_weight(name: str, W: torch.Tensor, *, A=None, B=None, diag_fisher=None, abs_mean=None, xxt=None,
                      kfac=None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
-                     regularization: str = "diag", asvd_alpha: float = 0.5,
+                     regularization: str = "diag", asvd_alpha: float = 0.5, shrinkage=None,
                      layer: str = "weight") -> Decomposition:
     """The full weighted SVD of ``W`` (``n x m``) by method ``name``: every rank's factors and error.
 
@@ -163,13 +179,13 @@ def decompose_weight(name: str, W: torch.Tensor, *, A=None, B=None, diag_fisher=
     n, m = W.shape
     w = method_weights(name, n, m, A=A, B=B, diag_fisher=diag_fisher, abs_mean=abs_mean, xxt=xxt, kfac=kfac,
                        alpha=alpha, min_alpha=min_alpha, regularization=regularization, asvd_alpha=asvd_alpha,
-                       layer=layer)
+                       shrinkage=shrinkage, layer=layer)
     return decompose(W, w.left, w.right, name=layer, alpha_A=w.alpha_A, alpha_B=w.alpha_B)
 
 
 def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, diag_fisher=None,
                      abs_mean=None, xxt=None, kfac=None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
-                     regularization: str = "diag", asvd_alpha: float = 0.5,
+                     regularization: str = "diag", asvd_alpha: float = 0.5, shrinkage=None,
                      layer: str = "weight") -> Factors:
     """Rank-``rank`` factors of ``W`` (``n x m``) by method ``name`` from the statistics it needs.
 
@@ -187,6 +203,7 @@ def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, d
         alpha, min_alpha, regularization: the regularisation of ``A``, ``B`` and ``X X^T``
             (:func:`fisherkron.regularize`).
         asvd_alpha: ASVD's exponent.
+        shrinkage: ``(lambda_A, lambda_B)`` for ``gfwsvd_shrunk`` (:mod:`fisherkron.core.shrinkage`).
         layer: name used in error messages.
 
     Returns:
@@ -199,4 +216,4 @@ def factorize_weight(name: str, W: torch.Tensor, rank: int, *, A=None, B=None, d
     check_rank(rank, *W.shape, layer)
     return decompose_weight(name, W, A=A, B=B, diag_fisher=diag_fisher, abs_mean=abs_mean, xxt=xxt, kfac=kfac,
                             alpha=alpha, min_alpha=min_alpha, regularization=regularization,
-                            asvd_alpha=asvd_alpha, layer=layer).factors(rank, layer)
+                            asvd_alpha=asvd_alpha, shrinkage=shrinkage, layer=layer).factors(rank, layer)

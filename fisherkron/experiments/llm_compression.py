@@ -77,7 +77,8 @@ ASVD_CANDIDATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
 #: the evaluations of a case, each cached on its own: held-out selection loss, perplexities, lm-eval suites
 KINDS = ("heldout", "ppl", "zeroshot", "mmlu")
 #: the library sources whose code decides a cached score (their contents enter every case key)
-_SOURCES = ("core/methods.py", "core/wsvd.py", "core/regularization.py", "core/lowrank.py", "core/factorization.py",
+_SOURCES = ("core/methods.py", "core/wsvd.py", "core/regularization.py", "core/shrinkage.py", "core/lowrank.py",
+            "core/factorization.py",
             "core/allocation.py", "core/basis_sharing.py", "hf/surgery.py", "hf/allocation.py", "hf/sensitivity.py",
             "hf/basis_sharing.py", "hf/budget.py", "hf/evaluate.py", "hf/lm_eval_tasks.py")
 

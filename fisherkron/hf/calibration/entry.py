@@ -227,6 +227,44 @@ class CalibrationStats:
         self._keep_factors(f, name, tag, out)
         return out
 
+    def kronecker_halves(self, name: str, *, init: str = "kfac", device=None, **mff_options) -> tuple[dict, dict]:
+        """MFF's ``A (x) B`` of layer ``name`` from each half of its gradients: the even batches, the odd ones.
+
+        What :func:`~fisherkron.core.shrinkage.split_half_intensity` compares with :meth:`kronecker`'s factors
+        to estimate how noisy their off-diagonals are (method ``gfwsvd_shrunk``). Same start and options as
+        :meth:`kronecker`; each half is kept beside its factors (``<layer>.<tag>.half0.pt``, ``half1``) with the
+        same checksum rule. Needs the gradients of at least two batches (``k >= 2``), stored per batch or per
+        sequence; an entry collected under a disk bound keeps none and is refused in one line.
+        """
+        self._need("grads")
+        if self.granularity == "token":
+            raise FisherkronError(f"the calibration in {self.dir} keeps per-token statistics, not per-batch "
+                                  f"gradients; split halves need granularity 'batch' or 'sequence'")
+        if self.k < 2:
+            raise FisherkronError(f"split halves need the gradients of at least 2 batches; the calibration in "
+                                  f"{self.dir} has k = {self.k}: collect it with k >= 2 (k >= 8 gives halves "
+                                  f"worth comparing)")
+        f, tag = self.factors_file(name, init=init, **mff_options)
+        halves, stack = [], None
+        for h in (0, 1):
+            fh, htag = f.with_name(f.name[: -len(".pt")] + f".half{h}.pt"), f"{tag}/half{h}"
+            got = self._read_factors(fh, name, htag)
+            if got is None:
+                if not self.keeps_gradients:
+                    raise self._no_gradients(f"layer {name} has no gradients to split into halves")
+                from ...core.factorization import mff
+                from ...core.operators import GradientStack
+
+                if stack is None:
+                    stack = GradientStack(self.gradients(name), name=name).stacked()  # (k, n, m)
+                start = self.kfac(name) if init == "kfac" and "kfac" in self.stats else None
+                res = mff(stack[h::2], init=start, device=device, name=f"{name} (half {h + 1} of 2)", **mff_options)
+                got = {"A": res.A.cpu(), "B": res.B.cpu(), "fisher_share": float(res.fisher_share),
+                       "matvecs": int(res.matvecs), "converged": bool(res.converged)}
+                self._keep_factors(fh, name, htag, got)
+            halves.append(got)
+        return halves[0], halves[1]
+
     def factors_file(self, name: str, *, init: str = "kfac", **mff_options) -> tuple[Path, str]:
         """``(file, tag)``: where :meth:`kronecker` keeps the factors of ``name`` for ``init`` and ``mff_options``.
 
