@@ -16,6 +16,11 @@ tab_llm_compression_mmlu: ## Tabs. Llama2_compression / Llama3_compression + Fig
 $(eval $(call notebook,tab_ablation_diag,$(call tab,tab_ablation_diag tab_gfwsvd_transposed) $(FIGDIR)/tab_ablation_diag_summary.provenance.json,$(LLM_SRC)))
 tab_ablation_diag: ## Tab. ablation_diag_results (App.): FWSVD / Diag / Non-diag / Full GFWSVD at the same ranks, and the untransposed-L_B pitfall, on SmolLM2
 
-# Issue 22: the rank allocations' quality against their cost, on the decoder study's calibration and sweeps.
+# The rank allocations' quality against their cost, on the decoder study's calibration and sweeps.
 $(eval $(call notebook,fig_allocation_cost,$(call tab,tab_allocation_cost) $(call fig,fig_allocation_cost fig_allocation_prediction) $(FIGDIR)/fig_allocation_cost_summary.provenance.json,$(LLM_SRC) $(EXP)/allocation_cost.py))
 fig_allocation_cost: ## Fig. + Tab. allocation_cost (beyond the paper): uniform / fisher / sensitivity / lems / calibrated allocations, quality against evaluations spent, on SmolLM2
+
+# The scale study: SmolLM2, Gemma 3 270M and Qwen2.5-0.5B with one protocol; GFWSVD's gap to its rivals against
+# size, and GFWSVD with shrunk factors. Its own calibrations (k = 16) and cases, cached and resumable.
+$(eval $(call notebook,fig_scale,$(call tab,tab_scale) $(call fig,fig_scale) $(FIGDIR)/fig_scale_summary.provenance.json,$(LLM_SRC) $(EXP)/scale.py))
+fig_scale: ## Fig. + Tab. scale (beyond the paper): six methods x two allocations on three decoders of growing size, GFWSVD's gap to its best rival, shrunk GFWSVD

@@ -50,7 +50,7 @@ from .llm_summary import ZERO_SHOT, mmlu_scores, zero_shot_scores
 __all__ = ["CODE_VERSION", "STUDY_METHODS", "ALLOCATIONS", "PAPER_ALLOCATION", "ASVD_CANDIDATES", "KINDS",
            "Protocol", "Case", "Study", "check_reachable", "study_stats", "calibrate", "first_tokens", "prepare",
            "case_config", "case_key", "best_allocation", "run_table", "token_losses", "difference_noise",
-           "sweep_noise", "transposed_decomposition", "compress_transposed", "scored", "first_seconds"]
+           "sweep_noise", "window_losses", "transposed_decomposition", "compress_transposed", "scored", "first_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,9 @@ PAPER_ALLOCATION = {"fwsvd": "uniform", "asvd": "sensitivity", "svd_llm": "unifo
 #: ASVD4LLM's ``param_ratio_candidates`` (sensitivity.py, since commit 1d213d5: 0.4 ... 0.9 of a layer's
 #: weights *kept*) in our convention, the fraction of the layer's weights *removed*
 ASVD_CANDIDATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
-#: the evaluations of a case, each cached on its own: held-out selection loss, perplexities, lm-eval suites
-KINDS = ("heldout", "ppl", "zeroshot", "mmlu")
+#: the evaluations of a case, each cached on its own: held-out selection loss, perplexities, lm-eval suites, and
+#: the perplexities' per-window negative log-likelihoods (for paired standard errors between cases)
+KINDS = ("heldout", "ppl", "zeroshot", "mmlu", "windows")
 #: the library sources whose code decides a cached score (their contents enter every case key)
 _SOURCES = ("core/methods.py", "core/wsvd.py", "core/regularization.py", "core/shrinkage.py", "core/lowrank.py",
             "core/factorization.py",
@@ -435,7 +436,7 @@ class Study:
         p = self.protocol
         if kind == "heldout":
             return {"batches": data_fingerprint(self.select_batches)}
-        if kind == "ppl":
+        if kind in ("ppl", "windows"):
             return {"texts": _ids_fingerprint(self.eval_ids), "seq_len": p.eval_seq_len}
         import lm_eval
 
@@ -543,6 +544,8 @@ class Study:
         if kind == "ppl":
             return {name: perplexity(model, None, ids, seq_len=p.eval_seq_len).ppl
                     for name, ids in self.eval_ids.items()}
+        if kind == "windows":
+            return {name: window_losses(model, ids, p.eval_seq_len) for name, ids in self.eval_ids.items()}
         profile = "paper" if p.profile == "paper" else "default"
         if kind == "zeroshot":
             res = run_lm_eval(model, self.tokenizer, list(ZERO_SHOT), num_fewshot=0, limit=p.zero_shot_limit,
@@ -703,6 +706,22 @@ def token_losses(model: nn.Module, batches) -> torch.Tensor:
         labels = b.get("labels", x)[:, 1:]  # (B, T-1)
         rows.append(-logp.gather(-1, labels[..., None]).squeeze(-1).double())  # (B, T-1)
     return torch.cat(rows)
+
+
+@torch.no_grad()
+def window_losses(model: nn.Module, ids: torch.Tensor, seq_len: int) -> dict:
+    """The summed negative log-likelihood of each window of ``ids`` as :func:`fisherkron.perplexity` scores them
+    (non-overlapping ``seq_len``-token windows, the tail dropped, ``seq_len - 1`` tokens predicted in each):
+    ``{"nll": [per window], "tokens": per window}``. ``exp(sum(nll) / (windows * tokens))`` is the perplexity;
+    two cases' per-window differences give a paired standard error of their log-perplexity gap."""
+    if ids.numel() < seq_len:
+        raise FisherkronError(f"the text has {ids.numel()} tokens, fewer than seq_len={seq_len}; lower seq_len")
+    nll = []
+    for b in range(0, ids.numel() - seq_len + 1, seq_len):
+        x = ids[b:b + seq_len][None]  # (1, T)
+        logp = torch.log_softmax(model(input_ids=x).logits.float()[:, :-1], dim=-1)  # (1, T-1, V)
+        nll.append(-float(logp.gather(-1, x[:, 1:, None]).double().sum()))
+    return {"nll": nll, "tokens": seq_len - 1}
 
 
 def difference_noise(d: torch.Tensor) -> dict:
