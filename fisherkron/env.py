@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from .core.conventions import FisherkronError
 
 __all__ = ["REPO_ROOT", "data_root", "models_root", "set_offline_env", "hub_offline", "OFFLINE_VARS", "offline_advice", "package_dir",
-           "require", "atomic_path", "stale_temporaries", "remove_stale_temporaries", "atomic_write", "atomic_directory", "TMP_PREFIX",
+           "require", "code_text", "code_digest", "atomic_path", "stale_temporaries", "remove_stale_temporaries", "atomic_write", "atomic_directory", "TMP_PREFIX",
            "OtherLoad", "shown", "read_committed", "json_object", "csv_rows"]
 
 #: The checkout this package was imported from (editable install) or its site-packages parent.
@@ -48,11 +48,10 @@ def data_root() -> Path:
 
 
 def models_root() -> Path:
-    """Folder of converted models (the dequantised SmolLM2): ``$FISHERKRON_MODELS`` or ``data_root()/models``.
+    """Folder of converted models (the dequantised decoders): ``$FISHERKRON_MODELS`` or ``data_root()/models``.
 
-    A model's folder is part of its config (``_name_or_path``), which the calibration cache keys hash, so a
-    run that should hit another data folder's calibration caches (``make verify VERIFY_DATA=statistics``) must
-    load the model from the very same path: it points ``$FISHERKRON_MODELS`` there."""
+    The folder a model was loaded from is not part of any cache key (the calibration key leaves the config's
+    ``_name_or_path`` out), so a model converted into another folder finds the same cached statistics."""
     env = os.environ.get("FISHERKRON_MODELS")
     return Path(env) if env else data_root() / "models"
 
@@ -456,6 +455,42 @@ def csv_rows(text: str) -> list[dict[str, str]]:
             raise ValueError(f"row {i} has {len(cells)} cell(s), the header {len(header)}")
         rows.append(dict(zip(header, cells)))
     return rows
+
+
+def code_text(source: str) -> str:
+    """What a piece of Python source computes, without its comments, docstrings and layout: the text a cache key
+    hashes, so that rewording a docstring or a comment leaves every cached result valid.
+
+    The source is parsed and dumped again (``ast.dump``) with every docstring (a string constant standing
+    alone as the first statement of a module, class or function) removed; comments and formatting never
+    reach the tree.
+
+    >>> a = code_text('def f(x):\\n    "Doc."\\n    return x + 1  # one')
+    >>> a == code_text("def f(x):\\n    return (x + 1)"), a == code_text("def f(x):\\n    return x + 2")
+    (True, False)
+    """
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(source))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree, include_attributes=False)
+
+
+def code_digest(paths, digest_size: int = 8) -> str:
+    """blake2b of the :func:`code_text` of the Python files ``paths``, in the order given (each file's name
+    included): the code part of a cache key."""
+    h = hashlib.blake2b(digest_size=digest_size)
+    for p in paths:
+        p = Path(p)
+        h.update(p.name.encode())
+        h.update(code_text(p.read_text()).encode())
+    return h.hexdigest()
 
 
 def file_checksum(path: str | os.PathLike) -> str:

@@ -157,8 +157,8 @@ def test_compression_from_a_bounded_entry_equals_the_unbounded_one(tmp_path):
         assert na == nb and torch.equal(pa, pb), na
     x = batches[0]["input_ids"]
     assert torch.equal(a(input_ids=x).logits, b(input_ids=x).logits)
-    with pytest.raises(FisherkronError, match=r"keeps MFF's factors instead of gradients.*options \{'tol': 0\.0001\}"
-                                              r".*none for init='kfac' and options \{\}") as err:
+    with pytest.raises(FisherkronError, match=r"keeps MFF's factors instead of gradients.*options \{'dtype': 'float64', "
+                                              r"'tol': 0\.0001\}.*none for init='kfac' and options \{'dtype': 'float64'\}") as err:
         fk.compress(copy.deepcopy(model), "gfwsvd", part, ratio=0.2)
     assert "\n" not in str(err.value)
     with pytest.raises(FisherkronError, match="collected under a disk bound .*no gradient file"):

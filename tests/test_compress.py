@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 
+from fisherkron.hf.calibration.entry import MFF_DTYPE
+
 from fisherkron.hf.calibration import collect_calibration
 from fisherkron import METHODS
 from fisherkron.hf.surgery import compress, count_params
@@ -66,7 +68,7 @@ def test_gfwsvd_layer_equals_core_on_mff_factors(llama_stats):
     name = "model.layers.1.mlp.down_proj"
     compress(model, "gfwsvd", st, layers=name, rank=4)
     W = dict(base.named_modules())[name].weight.detach()
-    res = mff(st.grads_path(name), init=st.kfac(name))
+    res = mff(st.grads_path(name), init=st.kfac(name), dtype=MFF_DTYPE)  # the precision of a calibration's factors
     W2, W1 = gfwsvd(W, regularize(res.A, min_alpha=1e-3), regularize(res.B, min_alpha=1e-3), 4)  # compress default floor
     # the same computation along another path: at most the round-off of the float32 product (r = 4 terms)
     assert_close_f32(dict(model.named_modules())[name].weight, W2 @ W1, length=4, scale=abs_sum_scale(W2.T, W1),
@@ -100,7 +102,7 @@ def test_ablation_diag_uses_only_diagonals(llama_stats):
     name = "model.layers.0.self_attn.o_proj"
     m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
     compress(m1, "gfwsvd_diag", st, layers=name, rank=2)
-    res = mff(st.grads_path(name), init=st.kfac(name))
+    res = mff(st.grads_path(name), init=st.kfac(name), dtype=MFF_DTYPE)
     W = dict(base.named_modules())[name].weight.detach()
     W2, W1 = gfwsvd(W, regularize(torch.diag(torch.diagonal(res.A))), regularize(torch.diag(torch.diagonal(res.B))), 2)
     assert_close_f32(dict(m1.named_modules())[name].weight, W2 @ W1, length=2, scale=abs_sum_scale(W2.T, W1),

@@ -86,7 +86,12 @@ def rank_for_ratio(n: int, m: int, ratio: float) -> int:
 
 
 def compression_ratio(original: int, compressed: int) -> float:
-    """``1 - compressed / original`` (the paper's definition)."""
+    """``1 - compressed / original`` (the paper's definition), computed as ``(original - compressed) / original`` so that
+    a share met exactly reads exactly.
+
+    >>> compression_ratio(1000, 800), 1.0 - 800 / 1000
+    (0.2, 0.19999999999999996)
+    """
     if original <= 0:
         raise FisherkronError(f"original parameter count must be positive, got {original}")
-    return 1.0 - compressed / original
+    return (original - compressed) / original

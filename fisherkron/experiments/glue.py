@@ -39,7 +39,8 @@ from tqdm.auto import tqdm
 
 from .._version import __version__
 from ..core.conventions import FisherkronError
-from ..env import atomic_directory, atomic_write, data_root
+from ..env import atomic_directory, atomic_write, code_text, data_root
+from ..hf.data import no_length_warning
 
 __all__ = ["TaskSpec", "TASK_SPECS", "Splits", "stratified_halves", "task_splits", "task_metric", "trivial_score",
            "FineTuneConfig", "Encoded", "fine_tune", "FineTuned", "finetuned", "score", "search_lr", "Study",
@@ -192,7 +193,8 @@ class Encoded:
         self.tokenizer = tokenizer
         self.features = {k: list(v) for k, v in enc.items()}
         self.labels = torch.tensor(list(dataset["label"]))  # (N,)
-        full = tokenizer(*cols, truncation=False)["input_ids"]
+        with no_length_warning(tokenizer):  # the full lengths only count what truncation cut
+            full = tokenizer(*cols, truncation=False)["input_ids"]
         self.truncated = sum(len(x) > max_length for x in full) / max(len(full), 1)
         self.lengths = [len(x) for x in self.features["input_ids"]]
 
@@ -287,7 +289,7 @@ def fine_tune(model, data: Encoded, cfg: FineTuneConfig, *, seed: int = 0, progr
 
 def _finetune_code() -> str:
     """Hash of the code that decides the fine-tuned weights (part of the checkpoint key)."""
-    src = "".join(inspect.getsource(f) for f in (Encoded, FineTuneConfig, _lr_factor, fine_tune))
+    src = "".join(code_text(inspect.getsource(f)) for f in (Encoded, FineTuneConfig, _lr_factor, fine_tune))
     return f"{__version__}/{CODE_VERSION}/{hashlib.blake2b(src.encode(), digest_size=8).hexdigest()}"
 
 

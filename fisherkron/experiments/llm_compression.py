@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from .._version import __version__
 from ..core.conventions import FisherkronError
-from ..env import atomic_write, data_root
+from ..env import atomic_write, code_digest, data_root
 from .llm_summary import ZERO_SHOT, mmlu_scores, zero_shot_scores
 
 __all__ = ["CODE_VERSION", "STUDY_METHODS", "ALLOCATIONS", "PAPER_ALLOCATION", "ASVD_CANDIDATES", "KINDS",
@@ -169,13 +169,11 @@ def _documents(protocol: Protocol) -> list[str]:
 
 
 def sources_hash(sources=_SOURCES) -> str:
-    """A digest of the contents of the library files ``sources`` (paths below ``fisherkron/``): the part of a
-    cached score's key that changes when the code that computes it changes."""
-    h = hashlib.blake2b(digest_size=8)
+    """A digest of what the library files ``sources`` (paths below ``fisherkron/``) compute, comments and docstrings
+    left out (:func:`fisherkron.env.code_digest`): the part of a cached score's key that changes when the code that
+    computes it changes."""
     pkg = Path(__file__).resolve().parents[1]
-    for rel in sources:
-        h.update((pkg / rel).read_bytes())
-    return h.hexdigest()
+    return code_digest(pkg / rel for rel in sources)
 
 
 def first_tokens(tokenizer, text: str, n: int, margin: int = 256) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from torch import nn
 from tqdm.auto import tqdm
@@ -32,10 +32,9 @@ from tqdm.auto import tqdm
 from ..core.basis_sharing import SharedBasisLinear, shared_basis, shared_basis_params, shared_basis_rank
 from ..core.checks import check_int, check_positive
 from ..core.conventions import FisherkronError
-from ..core.lowrank import compression_ratio
 from ..core.regularization import MIN_ALPHA
 from .calibration import CalibrationStats
-from .surgery import count_params
+from .budget import RatioReport, count_params
 
 __all__ = ["compress_basis_sharing", "plan_basis_sharing", "BasisSharingPlan", "BasisSharingReport", "GroupPlan",
            "PROJECTIONS", "SHARED_MHA", "SHARED_GQA", "shared_types", "decoder_projections"]
@@ -101,8 +100,9 @@ class GroupPlan:
 
 
 @dataclass
-class BasisSharingPlan:
-    """Groups and ranks at ``rho``, with the whole-model and linear-layer parameter counts they give."""
+class BasisSharingPlan(RatioReport):
+    """Groups and ranks at ``rho``, with the whole-model and linear-layer parameter counts they give (each shared
+    basis counted once)."""
 
     rho: float
     group_size: int
@@ -118,16 +118,6 @@ class BasisSharingPlan:
     @property
     def params_after(self) -> int:
         return self.params_before - self.layer_params_before + self.layer_params_after
-
-    @property
-    def ratio(self) -> float:
-        """Whole-model ratio ``1 - params_after / params_before``."""
-        return compression_ratio(self.params_before, self.params_after)
-
-    @property
-    def layers_ratio(self) -> float:
-        """Ratio over the decoder's linear layers (each shared basis counted once)."""
-        return compression_ratio(self.layer_params_before, self.layer_params_after)
 
     @property
     def ranks(self) -> dict[str, int]:
@@ -203,7 +193,7 @@ def plan_basis_sharing(model: nn.Module, *, ratio: float | None = None, rho: flo
 
 
 @dataclass
-class BasisSharingReport:
+class BasisSharingReport(RatioReport):
     """What :func:`compress_basis_sharing` did: ``rho``, ranks, groups and parameter counts (shared bases once)."""
 
     method: str
@@ -219,20 +209,6 @@ class BasisSharingReport:
     groups: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
-    @property
-    def ratio(self) -> float:
-        """Whole-model compression ratio ``1 - params_after / params_before``."""
-        return compression_ratio(self.params_before, self.params_after)
-
-    @property
-    def layers_ratio(self) -> float:
-        """Compression ratio of the decoder's linear layers alone."""
-        return compression_ratio(self.layer_params_before, self.layer_params_after)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["ratio"], d["layers_ratio"] = self.ratio, self.layers_ratio
-        return d
 
     def __str__(self) -> str:
         alphas = [g["alpha"] for g in self.groups if g.get("alpha") is not None]

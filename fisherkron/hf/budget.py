@@ -39,21 +39,42 @@ import math
 import numbers
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import asdict
 
 from torch import nn
 
 from ..core.checks import check_rank
 from ..core.conventions import FisherkronError
-from ..core.lowrank import lowrank_params, rank_for_ratio
+from ..core.lowrank import compression_ratio, lowrank_params, rank_for_ratio
 from ..core.methods import METHODS
 from .calibration.disk import layer_disk, parse_size, plan_groups
 from .calibration.entry import METHOD_STATS, STATS
 from .calibration.layers import select_layers
 
-__all__ = ["count_params", "plan_ranks", "check_ratio", "params_after", "shared_weights", "drop_shared",
+__all__ = ["RatioReport", "count_params", "plan_ranks", "check_ratio", "params_after", "shared_weights", "drop_shared",
            "factor_bytes", "available_memory", "check_factor_memory", "FACTOR_COPIES", "calibration_needs"]
 
 log = logging.getLogger(__name__)
+
+
+class RatioReport:
+    """What every compression report says about parameters: a dataclass with ``params_before``, ``params_after``,
+    ``layer_params_before`` and ``layer_params_after`` gets its two ratios and a plain dict from here."""
+
+    @property
+    def ratio(self) -> float:
+        """Whole-model compression ratio ``1 - params_after / params_before``."""
+        return compression_ratio(self.params_before, self.params_after)
+
+    @property
+    def layers_ratio(self) -> float:
+        """Compression ratio of the selected layers alone."""
+        return compression_ratio(self.layer_params_before, self.layer_params_after)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ratio"], d["layers_ratio"] = self.ratio, self.layers_ratio
+        return d
 
 #: float64 copies of each factor that one layer holds at once, at the least: the factor, its regularised copy
 #: and its Cholesky factor (the weighting step of every Kronecker method and of SVD-LLM)

@@ -59,7 +59,7 @@ from ..core.methods import METHODS, decompose_weight
 from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
 from ..core.shrinkage import split_half_intensity
-from ..env import atomic_write, data_root
+from ..env import atomic_write, code_digest, data_root
 from .calibration import CalibrationStats, data_fingerprint, default_loss, loss_key, model_fingerprint
 from .sweep_cache import FORMAT, entry, read_sweep
 
@@ -169,12 +169,10 @@ def decompose_layer(module: nn.Linear, method: str, stats: CalibrationStats | No
 
 
 def _code_version() -> str:
-    """The package version, :data:`CODE_VERSION` and a hash of the source that computes a sweep's numbers."""
-    h = hashlib.blake2b(digest_size=8)
+    """The package version, :data:`CODE_VERSION` and a digest of what the source that computes a sweep's numbers
+    computes (:func:`fisherkron.env.code_digest`: comments and docstrings left out)."""
     pkg = Path(__file__).resolve().parents[1]
-    for rel in _SWEEP_CODE:
-        h.update((pkg / rel).read_bytes())
-    return f"{__version__}/{CODE_VERSION}/{h.hexdigest()}"
+    return f"{__version__}/{CODE_VERSION}/{code_digest(pkg / rel for rel in _SWEEP_CODE)}"
 
 
 def _placement(model: nn.Module) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from torch import nn
 from tqdm.auto import tqdm
@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from ..core.checks import check_int, check_positive
 from ..core.conventions import FisherkronError
 from ..core.basis_sharing import SharedBasisLinear
-from ..core.lowrank import LowRankLinear, compression_ratio, lowrank_params
+from ..core.lowrank import LowRankLinear, lowrank_params
 
 #: the modules a compression leaves: a layer already one of these is not factorised again
 FACTORISED = (LowRankLinear, SharedBasisLinear)
@@ -49,7 +49,8 @@ from ..core.regularization import MIN_ALPHA
 from . import speed
 from .allocation import (GFWSVD_RECIPE, RECOMMENDED, Allocation, Decompositions, Recipe, allocate, check_options,
                          describe)
-from .budget import check_factor_memory, check_ratio, count_params, drop_shared, params_after, plan_ranks
+from .budget import (RatioReport, check_factor_memory, check_ratio, count_params, drop_shared, params_after,
+                     plan_ranks)
 from .calibration import CalibrationStats, select_layers
 
 __all__ = ["compress", "plan_ranks", "count_params", "CompressionReport", "LayerReport", "Recipe", "RECOMMENDED",
@@ -82,7 +83,7 @@ class LayerReport:
 
 
 @dataclass
-class CompressionReport:
+class CompressionReport(RatioReport):
     """Parameter counts of the whole model and of the selected layers, before and after, and what ran.
 
     ``allocation`` is the strategy that chose the ranks (``"uniform"`` for ``rank=``, ``ranks=``
@@ -106,23 +107,8 @@ class CompressionReport:
     recipe: str | None = None
 
     @property
-    def ratio(self) -> float:
-        """Whole-model compression ratio ``1 - params_after / params_before``."""
-        return compression_ratio(self.params_before, self.params_after)
-
-    @property
-    def layers_ratio(self) -> float:
-        """Compression ratio of the selected layers alone."""
-        return compression_ratio(self.layer_params_before, self.layer_params_after)
-
-    @property
     def ranks(self) -> dict[str, int]:
         return {k: v.rank for k, v in self.layers.items() if v.skipped is None}
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["ratio"], d["layers_ratio"] = self.ratio, self.layers_ratio
-        return d
 
     def __str__(self) -> str:
         alphas = [a for lr in self.layers.values() for a in (lr.alpha_A, lr.alpha_B) if a is not None]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ...env import atomic_write, file_checksum
 from .disk import DiskPlan, format_size, gradient_files, plan_groups
-from .entry import CalibrationStats
+from .entry import CalibrationStats, mff_settings
 from .folders import NoSpace, no_space
 
 __all__ = ["RECORD", "bounded_config", "collect_groups", "folder_bytes"]
@@ -54,7 +54,7 @@ def bounded_config(config: dict, mff_options: dict | None) -> dict:
     ``device`` is left out (it does not change the factors). The gradients an unbounded entry keeps
     are absent here, so the two have different keys.
     """
-    opts = {k: v for k, v in sorted((mff_options or {}).items()) if k != "device"}
+    opts = {k: v for k, v in sorted(mff_settings(mff_options).items()) if k != "device"}
     return {**config, "bounded": {"init": "kfac", "mff_options": json.loads(json.dumps(opts, default=str))}}
 
 
@@ -129,7 +129,7 @@ def collect_groups(out: Path, plan: DiskPlan, max_disk: int, collect_group: Call
     layers' MFF and between groups. ``mff_options``: :func:`fisherkron.mff`'s options (``device``
     says where it runs).
     """
-    opts = dict(mff_options or {})
+    opts = mff_settings(mff_options)
     device = opts.pop("device", None)
     done = _read_record(out, key)
     if done:

@@ -25,7 +25,8 @@ from ...core.methods import METHODS
 from ...env import TMP_PREFIX, atomic_write, file_checksum, remove_stale_temporaries
 from .keys import layer_fingerprint, model_difference, model_fingerprint, tensor_digest
 
-__all__ = ["CalibrationStats", "STATS", "GRANULARITIES", "METHOD_STATS", "read_manifest", "write_manifest"]
+__all__ = ["CalibrationStats", "STATS", "GRANULARITIES", "METHOD_STATS", "MFF_DTYPE", "mff_settings", "read_manifest",
+           "write_manifest"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,24 @@ GRANULARITIES = ("batch", "sequence", "token")
 # about as much as the forward + backward pass itself, so collect only what is used
 METHOD_STATS = {**{name: m.needs for name, m in METHODS.items()}, "kfac": ("kfac",),
                 "basis_sharing": ("xxt",)}  # Basis Sharing: the Gram sums of a group (hf.basis_sharing)
+#: the precision of MFF's products for the factors a calibration entry keeps, unless the caller names another:
+#: float64 leaves the factors, and the ranks a Theorem-1 allocation reads off them, independent of the GEMMs'
+#: summation order (float32's differ between CPU models and thread counts in their 4th-5th digit, which moved
+#: ranks near a threshold); on a 1536 x 576 layer with k = 32 it took 1.6x float32's time
+MFF_DTYPE = "float64"
+
+
+def mff_settings(mff_options: dict | None) -> dict:
+    """``mff_options`` with MFF's precision made explicit, by name (``dtype``: :data:`MFF_DTYPE` unless given), so a
+    call that names the default and one that leaves it out find the same cached factors.
+
+    >>> mff_settings({"tol": 1e-4}), mff_settings({"dtype": torch.float32})
+    ({'tol': 0.0001, 'dtype': 'float64'}, {'dtype': 'float32'})
+    """
+    opts = dict(mff_options or {})
+    dtype = opts.get("dtype", MFF_DTYPE)
+    opts["dtype"] = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    return opts
 
 
 @dataclass
@@ -202,6 +221,7 @@ class CalibrationStats:
         files for the ``init`` and options it was collected with, and refuses others in one line.
         """
         self._need("grads")
+        mff_options = mff_settings(mff_options)
         f, tag = self.factors_file(name, init=init, **mff_options)
         group = resolve_group(group)
         if group is not None:
@@ -244,6 +264,7 @@ class CalibrationStats:
             raise FisherkronError(f"split halves need the gradients of at least 2 batches; the calibration in "
                                   f"{self.dir} has k = {self.k}: collect it with k >= 2 (k >= 8 gives halves "
                                   f"worth comparing)")
+        mff_options = mff_settings(mff_options)
         f, tag = self.factors_file(name, init=init, **mff_options)
         halves, stack = [], None
         for h in (0, 1):
@@ -272,6 +293,7 @@ class CalibrationStats:
         starts from the identity) and the options (``device`` is not one: it does not change them).
         """
         start = "kfac" if init == "kfac" and "kfac" in self.stats else "identity"
+        mff_options = mff_settings(mff_options)
         opts = {k: mff_options[k] for k in sorted(mff_options)}
         tag = hashlib.blake2b(json.dumps([start, opts], default=str).encode(), digest_size=8).hexdigest()
         return self.dir / "mff" / f"{name}.{tag}.pt", tag

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from ...core.conventions import FisherkronError
+from ...env import code_digest
 
-__all__ = ["CODE_VERSION", "PROVENANCE", "model_fingerprint", "model_record", "model_difference", "tensor_digest",
+__all__ = ["CODE_VERSION", "PROVENANCE", "WHERE", "model_fingerprint", "model_record", "model_difference", "tensor_digest",
            "data_fingerprint", "layer_fingerprint", "loss_key", "code_version", "calibration_key",
            "config_key"]
 
@@ -32,6 +33,9 @@ CODE_VERSION = "calibration-2"  # bump when the meaning of a cached file changes
 #: cache key does not
 PROVENANCE = ("_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash",
               "use_cache", "return_dict", "output_attentions", "output_hidden_states", "problem_type")
+#: config fields that say only where a model was loaded from: the calibration key leaves them out, so the same
+#: model loaded from another folder (another checkout, ``$FISHERKRON_MODELS``, a copy) finds its statistics
+WHERE = ("_name_or_path", "_commit_hash")
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -65,7 +69,7 @@ def model_record(model: nn.Module) -> dict:
     a digest of each config field and of each parameter and buffer (its shape and values, read as
     :func:`model_fingerprint` reads them: bfloat16 as float32, any device), and ``fingerprint``, a
     digest of the class, the tensors and the config fields that are not :data:`PROVENANCE`. The
-    calibration key hashes the whole record (every config field included); compression compares
+    calibration key hashes the whole record but the fields of :data:`WHERE`; compression compares
     ``fingerprint`` (:func:`model_difference`).
     """
     tensors = {name: tensor_digest(t) for name, t in list(model.named_parameters()) + list(model.named_buffers())}
@@ -224,16 +228,13 @@ def loss_key(loss_fn, depth: int = 0):
 def code_version() -> str:
     """The package version, :data:`CODE_VERSION` and a hash of this package's source files.
 
-    Any edit to the calibration code changes every key: an entry is never read by code that
-    might mean something else by its files.
+    Any edit to what the calibration code computes changes every key: an entry is never read by code
+    that might mean something else by its files. Comments, docstrings and layout are not part of it
+    (:func:`fisherkron.env.code_digest`).
     """
     from ..._version import __version__
 
-    h = hashlib.blake2b(digest_size=8)
-    for src in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(src.name.encode())
-        h.update(src.read_bytes())
-    return f"{__version__}/{CODE_VERSION}/{h.hexdigest()}"
+    return f"{__version__}/{CODE_VERSION}/{code_digest(sorted(Path(__file__).parent.glob('*.py')))}"
 
 
 def calibration_key(model: nn.Module, batches, names: list[str], *, k: int, seed: int, stats, grad_dtype: str,
@@ -256,7 +257,10 @@ def calibration_key(model: nn.Module, batches, names: list[str], *, k: int, seed
             described = None
     loss_hash = hashlib.blake2b(json.dumps(described, sort_keys=True, default=str).encode(),
                                 digest_size=12).hexdigest()
-    config = {"model": model_record(model), "data": data_fingerprint(batches), "layers": names,
+    record = model_record(model)
+    if record["config"] is not None:  # the same model from another folder is the same model
+        record["config"] = {k: v for k, v in record["config"].items() if k not in WHERE}
+    config = {"model": record, "data": data_fingerprint(batches), "layers": names,
               "k": k, "seed": seed, "stats": sorted(stats), "code": code_version(),
               "grad_dtype": grad_dtype, "granularity": granularity,
               "loss_fn": [getattr(loss_fn, "__qualname__", None), loss_hash]}
