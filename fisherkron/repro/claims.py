@@ -1,4 +1,5 @@
-"""The paper's 19 figures and tables: what each claims, the paper's number, ours, and a verdict.
+"""The paper's 19 figures and tables, and the scale study beyond it: what each claims, the paper's number, ours,
+and a verdict.
 
 Every item (:data:`ITEMS`, in the paper's order and grouping) names the notebook whose page shows
 it and an extractor ``ours(records) -> (our number, verdict)`` that reads the committed records in
@@ -24,7 +25,7 @@ from typing import Any
 from ..core.conventions import FisherkronError
 from ..env import REPO_ROOT, json_object, read_committed, shown
 
-__all__ = ["VERDICTS", "Item", "ITEMS", "load_records", "results", "table_cell", "results_table"]
+__all__ = ["VERDICTS", "Item", "ITEMS", "PAPER_ITEMS", "BEYOND", "load_records", "results", "table_cell", "results_table"]
 
 VERDICTS = ("holds", "holds in part", "not at this scale", "cannot tell", "does not hold")
 Records = dict[str, dict[str, Any]]
@@ -342,6 +343,28 @@ def _ablation(records: Records) -> tuple[str, str]:
     return ours, _count(hits, len(cases))
 
 
+# ---------------------------------------------------------------- Beyond the paper
+
+def _scale(records: Records) -> tuple[str, str]:
+    """GFWSVD's log-perplexity gap to its best rival (SVD-LLM or KFAC-SVD) smaller on the largest decoder than on
+    the smallest by more than two standard errors: at every ratio: holds; at some: holds in part; larger at any
+    ratio by more than two: does not hold; else (the sizes cannot tell): cannot tell."""
+    v = records["fig_scale_summary"]["extra"]["verdict"]
+    trends = [t for k, t in sorted(v.items()) if k.startswith("trend_") and t.get("models", 0) > 1]
+    if not trends:
+        return "one model: no trend", "cannot tell"
+    last = trends[-1]
+    shrink = [e for e in v.get("shrinkage", []) if e["model"] == last["largest"]]
+    ours = (f"gap {last['gap_smallest']:+.2f} ({last['smallest']}) -> {last['gap_largest']:+.2f} "
+            f"({last['largest']}), change {last['change']:+.2f} ± {last['se']:.2f}")
+    if shrink:
+        ours += f"; shrinkage {shrink[-1]['shrunk_vs_plain']:+.2f} ± {shrink[-1]['se']:.2f} on {last['largest']}"
+    if any(t["grows"] for t in trends):
+        return ours, "does not hold"
+    hits = sum(t["shrinks"] for t in trends)
+    return ours, ("cannot tell" if hits == 0 else _count(hits, len(trends)))
+
+
 def _at_chance(v: dict[str, Any], rows: list) -> bool:
     """MMLU cannot tell: the dense model, or every compressed row, within chance's error bars."""
     return bool(v["dense_at_chance"]) or len(v["at_chance"]) >= len(rows)
@@ -395,8 +418,9 @@ def _mmlu_avg(records: Records) -> tuple[str, str]:
 METHOD, SYNTH, ENC = "Method (Secs. 4-5)", "Synthetic correlations (Sec. 6.1)", "Encoder compression (Sec. 6.2, App. G)"
 DEC, SPEED = "Decoder compression (Sec. 6.3)", "Speed and FLOPs (Sec. 6.3, App. F)"
 TRAIN, APP = "Learned truncation and LoRA (Sec. 6.4)", "Ablations and MMLU (Apps. H-I)"
+BEYOND = "Beyond the paper (model size)"
 
-#: the paper's 19 figures and tables, in the paper's order by group
+#: the paper's 19 figures and tables, in the paper's order by group, then the scale study
 ITEMS: tuple[Item, ...] = (
     Item("fig:connection2fwsvd", METHOD, "SVD, FWSVD, GFWSVD are one weighted SVD; FWSVD is GFWSVD with a "
          "diagonal and an identity factor", "identity pair (SVD), diagonal + identity (FWSVD), two full "
@@ -439,8 +463,13 @@ ITEMS: tuple[Item, ...] = (
          "10 %: MMLU 0.54 vs 0.39", "tab_llm_compression_mmlu", _llama3_mmlu),
     Item("fig:mmlu_avg", APP, "GFWSVD's MMLU lead over FWSVD and ASVD grows with compression",
          "lead over FWSVD 0.00 at 5 %, 0.05 at 20 %", "tab_llm_compression_mmlu", _mmlu_avg),
+    Item("fig:scale", BEYOND, "GFWSVD's gap to SVD-LLM and KFAC-SVD (log perplexity) shrinks as the decoder grows "
+         "(SmolLM2-135M, Gemma 3 270M, Qwen2.5-0.5B)", "GFWSVD ahead of SVD-LLM on Llama-2-7B and Llama-3.1-8B",
+         "fig_scale", _scale),
 )
 
+#: the paper's own items (the scale study is beyond the paper)
+PAPER_ITEMS: tuple[Item, ...] = tuple(item for item in ITEMS if item.group != BEYOND)
 
 # -------------------------------------------------------------------------------- records, results
 

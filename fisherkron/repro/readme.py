@@ -32,8 +32,10 @@ BLOCK = re.compile(r"<!-- generated:(?P<name>[\w.-]+) -->(?P<body>.*?)<!-- /gene
 
 
 def _book_link(notebook: str) -> str:
-    """The front page links each item to its committed executed notebook: the book page's content."""
-    return f"notebooks/executed/{notebook}.ipynb"
+    """The front page links each item to its committed executed notebook, the book page's content (its source
+    while it has not run yet)."""
+    executed = f"notebooks/executed/{notebook}.ipynb"
+    return executed if (REPO_ROOT / executed).is_file() else f"notebooks/{notebook}.py"
 
 
 def results_block(figures: Path) -> str:

@@ -56,6 +56,8 @@ PAGES: tuple[tuple[str, str, str], ...] = (
     ("fig_calibration", "Calibration at scale", "beyond the paper: calibration cost and quality against k"),
     ("fig_allocation_cost", "Rank allocation: quality against cost",
      "beyond the paper: the allocations' quality against their evaluations"),
+    ("fig_scale", "Model size and the noise of the factors",
+     "beyond the paper: three decoders of growing size, shrunk GFWSVD"),
 )
 
 
