@@ -83,8 +83,9 @@ def split_half_intensity(F, F1, F2, name: str = "factor") -> float:
     (see the module docstring), computed in float64. A diagonal ``F`` gives 1 (nothing to keep off the
     diagonal); identical halves give 0.
 
-    >>> F = torch.tensor([[1.0, 0.5], [0.5, 1.0]])
-    >>> split_half_intensity(F, F, F), split_half_intensity(F, F + torch.tensor([[0, .2], [.2, 0]]), F)
+    >>> F = torch.tensor([[1.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    >>> noise = torch.tensor([[0, .2], [.2, 0]], dtype=torch.float64)
+    >>> split_half_intensity(F, F, F), round(split_half_intensity(F, F + noise, F), 12)
     (0.0, 0.04)
     """
     mats = []
