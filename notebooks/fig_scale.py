@@ -144,7 +144,7 @@ for ax, t in zip(axes[0], ratios):
     for m in methods:
         pts = []
         for res in results:
-            r = sc._best_allocation(res["rows"], res["model"], m, t)
+            r = sc.best_case(res["rows"], res["model"], m, t)
             if r is not None:
                 pts.append((res["block_params"] / 1e6, r["ppl_ptb"] / res["dense"]["ppl_ptb"]))
         if pts:

@@ -25,7 +25,7 @@ import numpy as np
 from ..core.conventions import FisherkronError
 
 __all__ = ["SCALE_METHODS", "SCALE_ALLOCATIONS", "RIVALS", "block_linear_params", "run_model", "window_ppl",
-           "paired_gap", "gap_rows", "trend", "shrinkage_effect", "rankings", "layer_type", "intensities"]
+           "paired_gap", "best_case", "gap_rows", "trend", "shrinkage_effect", "rankings", "layer_type", "intensities"]
 
 #: the methods of the study, in the order of its tables
 SCALE_METHODS = ("fwsvd", "asvd", "svd_llm", "kfac_svd", "gfwsvd", "gfwsvd_shrunk")
@@ -142,7 +142,7 @@ def run_model(protocol, methods=SCALE_METHODS, allocations=SCALE_ALLOCATIONS, ra
     return out
 
 
-def _best_allocation(rows: list[dict], model: str, method: str, target: float) -> dict | None:
+def best_case(rows: list[dict], model: str, method: str, target: float) -> dict | None:
     """The case of ``method`` at ``target`` whose allocation has the lowest held-out selection loss."""
     from .llm_compression import best_allocation
 
@@ -159,13 +159,13 @@ def gap_rows(models: list[dict], targets, rivals=RIVALS, of: str = "gfwsvd") -> 
     out = []
     for res in models:
         for t in targets:
-            me = _best_allocation(res["rows"], res["model"], of, t)
+            me = best_case(res["rows"], res["model"], of, t)
             if me is None:
                 continue
             row = {"model": res["model"], "block_params": res["block_params"], "target": t, "allocation": me["allocation"]}
             best = None
             for rival in rivals:
-                r = _best_allocation(res["rows"], res["model"], rival, t)
+                r = best_case(res["rows"], res["model"], rival, t)
                 if r is None:
                     continue
                 g = paired_gap(me["windows"], r["windows"])
