@@ -38,3 +38,12 @@ $(RECIPE_OUT) &: $(RECIPE_SRC) $(CORE_SRC) | $(STAMP)
 
 bench-recipe-quick: $(STAMP) ## the recipe benchmark on a tiny random Llama into build/bench-recipe-quick/ (about 2 min; checks that it runs)
 	$(PY) scripts/bench_recipe.py --quick --out build/bench-recipe-quick
+
+# lm-eval's tasks loaded once per process against on every call (scripts/bench_lm_eval_tasks.py): a benchmark, not a test.
+LMEVAL_OUT := $(foreach e,csv md tex provenance.json,$(BENCH_DIR)/bench_lm_eval_tasks.$e)
+
+.PHONY: bench-lm-eval
+.PRECIOUS: $(LMEVAL_OUT)
+bench-lm-eval: $(LMEVAL_OUT) ## seconds per lm-eval call on SmolLM2 (MMLU 5-shot, zero-shot suite), tasks loaded once vs on every call (about 15 min on 2 idle cores)
+$(LMEVAL_OUT) &: scripts/bench_lm_eval_tasks.py fisherkron/hf/evaluate.py fisherkron/hf/lm_eval_tasks.py | $(STAMP)
+	$(PY) scripts/bench_lm_eval_tasks.py --out $(BENCH_DIR)

