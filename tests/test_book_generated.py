@@ -69,3 +69,18 @@ def test_a_table_regenerated_since_the_verify_is_named(tmp_path):
     (tmp_path / "figures" / "nb_t.csv").write_text("a\n2\n", encoding="utf-8")
     text = verify_table(Outputs(tmp_path / "figures"), tmp_path)
     assert "a table changed since" in text and "verify again" in text
+
+
+def test_the_recipe_benchmark_is_its_committed_table_or_says_it_has_not_run(tmp_path):
+    from fisherkron.repro.book.generated import bench_recipe
+    from fisherkron.repro.figures import save_table
+    import pandas as pd
+
+    assert "has not been run" in bench_recipe(Outputs(tmp_path / "figures"), tmp_path)
+    df = pd.DataFrame({"case": ["recommended", "old default"], "ratio": [0.1, 0.1], "PTB": [68.59, 963.3]})
+    save_table(df, "bench_recipe", tmp_path / "figures" / "bench", {"ratios": [0.1]})
+    text = bench_recipe(Outputs(tmp_path / "figures"), tmp_path)
+    assert "make bench-recipe" in text and "has not been run" not in text
+    rows = _rows(text)[1:]  # below the table's header
+    assert len(rows) == 2 and "68.59" in rows[0] and "963.3" in rows[1]
+    assert "/work/" not in text and str(tmp_path) not in text

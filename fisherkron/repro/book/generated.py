@@ -7,7 +7,9 @@ committed files only (:mod:`.records` reads and formats them):
 * ``verify_record.md``: one row per committed ``make verify`` record (``data/verify/*.json``);
 * ``notebook_costs.md``: each notebook's page, paper item, ``make`` target and committed run time;
 * ``bench.md``: the ``make bench`` machine, table, whole-MiniLM run and speed targets
-  (``figures/bench/``), with its figure copied beside it.
+  (``figures/bench/``), with its figure copied beside it;
+* ``bench_recipe.md``: the ``make bench-recipe`` table (the recommended recipe against the old
+  default, as ``fisherkron compress`` runs them) with the machine that measured it.
 """
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_t
                       make_all_time, notebook_time, num, other_cpu, table, verify_records)
 from .sources import pages
 
-__all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "write_generated"]
+__all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "write_generated"]
 
 #: the folder, inside the book's source folder, that the pages include from
 FOLDER = "_generated"
 _BENCH = "bench/bench_mff"
 _BENCH_FIGURE = "fig_bench_mff.png"
+_RECIPE = "bench/bench_recipe"
 
 
 def _page(name: str, root: Path) -> str:
@@ -93,7 +96,19 @@ def bench(out: Outputs, root: Path) -> str:
                         bench_targets(out)]) + "\n"
 
 
-_PAGES = {"verify_record": verify_table, "notebook_costs": notebook_costs, "bench": bench}
+def bench_recipe(out: Outputs, root: Path) -> str:
+    """The committed ``make bench-recipe`` table and the machine that measured it (or that it has not run)."""
+    if not (out.folder / f"{_RECIPE}.provenance.json").is_file():
+        return "`make bench-recipe` has not been run on this checkout yet.\n"
+    rec = out.record(_RECIPE)
+    where = (f"The committed run: `make bench-recipe` on a {machine_name(rec['machine'])}, finished "
+             f"{str(rec.get('created_utc', ''))[:10] or 'on a date not recorded'}. A wall time is an upper bound where "
+             "other processes took a share of the cores (the last column).")
+    return where + "\n\n" + out.markdown(_RECIPE).rstrip() + "\n"
+
+
+_PAGES = {"verify_record": verify_table, "notebook_costs": notebook_costs, "bench": bench,
+          "bench_recipe": bench_recipe}
 
 
 def write_generated(out_dir: Path, root: Path = REPO_ROOT) -> list[Path]:
