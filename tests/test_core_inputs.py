@@ -277,3 +277,29 @@ def test_compress_refuses_a_string_min_speedup_before_changing_the_model():
     assert isinstance(model[0], nn.Linear)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert math.isfinite(float(compress(model, "svd", None, "0", rank=2, min_speedup=0.01).ratio))
+
+
+def test_phases_count_exclusive_wall_time_and_reach_provenance_records():
+    import time
+
+    from fisherkron.core import phases
+    from fisherkron.repro.figures import provenance
+
+    phases.reset()
+
+    @phases.timed("outer")
+    def outer():
+        time.sleep(0.03)
+        with phases.phase("inner"):
+            time.sleep(0.05)
+
+    t = time.perf_counter()
+    outer()
+    wall = time.perf_counter() - t
+    s = phases.seconds()
+    assert s["inner"] >= 0.05 and s["outer"] >= 0.03
+    assert s["inner"] + s["outer"] <= wall + 1e-3          # nested time is counted once, in the inner phase
+    assert list(s) == sorted(s, key=lambda k: -s[k])       # largest first
+    assert provenance("x")["phases"] == s
+    phases.reset()
+    assert phases.seconds() == {} and provenance("x")["phases"] == {}

@@ -16,6 +16,7 @@ module                 what it holds
 ``lowrank``            ``LowRankLinear``: ``W ~= W2 W1`` as a module
 ``basis_sharing``      Basis Sharing: one whitened input basis shared by a group of layers
 ``checks``             input validation (one-line :class:`FisherkronError`)
+``phases``             where a process's seconds go: wall time per named phase, in provenance records
 =====================  =====================================================================
 
 Nothing here imports from the layers above it (``fisherkron.hf``, ``fisherkron.experiments``,

@@ -43,6 +43,7 @@ from .conventions import FisherkronError
 from .distributed import (agree, broadcast_int, broadcast_object, broadcast_tensor, fisher_norm_sq, resolve_group,
                           world_of)
 from .operators import GradientStack, RearrangedFisher, TokenFisher, _single_thread
+from .phases import timed
 
 __all__ = ["MFFResult", "mff", "kronecker_terms", "MFF_DTYPES", "mff_dtype"]
 
@@ -354,6 +355,7 @@ def _kron_change(s_new, x_new, y_new, s_old, x_old, y_old) -> float:
     return float(min(D.norm(), D2.norm())) / s_new
 
 
+@timed("MFF")
 def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matvecs: int = 300,
         dtype: torch.dtype | str = torch.float32, device=None, memory_budget: int | None = None,
         compute_norm: bool = True, name: str = "layer", group=None) -> MFFResult:

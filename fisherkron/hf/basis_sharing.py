@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from ..core.basis_sharing import SharedBasisLinear, shared_basis, shared_basis_params, shared_basis_rank
 from ..core.checks import check_int, check_positive
 from ..core.conventions import FisherkronError
+from ..core.phases import timed
 from ..core.regularization import MIN_ALPHA
 from .calibration import CalibrationStats
 from .budget import RatioReport, count_params
@@ -221,6 +222,7 @@ class BasisSharingReport(RatioReport):
         return s
 
 
+@timed("compression")
 def compress_basis_sharing(model: nn.Module, stats: CalibrationStats, ratio: float, *, group_size: int = 2, shared=None,
                   alpha: float | None = None, regularization: str = "diag", min_alpha: float = MIN_ALPHA,
                   progress: bool = False) -> BasisSharingReport:

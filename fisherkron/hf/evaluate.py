@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ..core.checks import check_int
 from ..core.conventions import FisherkronError
+from ..core.phases import phase, timed
 from .data import window_ids
 
 __all__ = ["PerplexityResult", "perplexity", "classification_metrics", "predict_classifier",
@@ -51,6 +52,7 @@ def _token_ids(tokenizer, text) -> torch.Tensor:
 
 
 @torch.no_grad()
+@timed("perplexity")
 def perplexity(model, tokenizer, text, *, seq_len: int = 2048, stride: int | None = None,
                max_tokens: int | None = None, batch_size: int = 1, progress: bool = False) -> PerplexityResult:
     r"""Token-level perplexity ``exp(-(1/N) sum_t log p(x_t | window context))``.
@@ -139,6 +141,7 @@ def classification_metrics(labels, predictions, *, regression: bool = False) -> 
 
 
 @torch.no_grad()
+@timed("classifier scoring")
 def predict_classifier(model, tokenizer, dataset, *, text_fields=None, task: str | None = None,
                        batch_size: int = 32, max_length: int = 128, limit: int | None = None,
                        progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -189,7 +192,8 @@ class _ReusedTasks:
     def load(self, tasks):
         key = (tuple(tasks), self.num_fewshot)
         if key not in self._loaded:
-            self._loaded[key] = self._manager.load(tasks)
+            with phase("lm-eval task loading"):
+                self._loaded[key] = self._manager.load(tasks)
         return self._loaded[key]
 
     def __getattr__(self, name):
@@ -213,6 +217,7 @@ def _task_manager(profile: str) -> _ReusedTasks:
     return _TASK_MANAGERS[folder]
 
 
+@timed("lm-eval")
 def run_lm_eval(model, tokenizer, tasks, *, num_fewshot: int | None = 0, limit: int | float | None = None,
                 bootstrap_iters: int = 100, batch_size: int = 1, profile: str = "default",
                 seed: int = 0, max_length: int | None = None) -> dict[str, dict[str, float]]:

@@ -47,6 +47,7 @@ from ..core.basis_sharing import SharedBasisLinear
 from ..core.checks import check_int, check_positive
 from ..core.conventions import FisherkronError
 from ..core.lowrank import LowRankLinear
+from ..core.phases import timed
 from ..env import require, sigterm_as_interrupt
 from .budget import count_params
 from .calibration import default_loss
@@ -358,6 +359,7 @@ def _train(model: nn.Module, lora_cfg, mods: dict, batches: list, config: dict, 
     return step, history, seen, seconds, resumed_at, scales
 
 
+@timed("LoRA recovery")
 def recover(model: nn.Module, batches, *, tokens: int | None = None, steps: int | None = None,
             accumulate: int = 1, lr: float = LORA["lr"], schedule: str = "cosine", warmup=0.05,
             min_lr: float = 0.0, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..core.conventions import FisherkronError
+from ..core.phases import timed
 from ..env import (atomic_directory, hub_offline, models_root, offline_advice, package_dir, remove_stale_temporaries,
                    set_offline_env)
 
@@ -269,6 +270,7 @@ def embedded_hint(role: str = "decoder") -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" or {names[-1]}"
 
 
+@timed("model loading")
 def load_model(name: str = "smollm2", *, task: str | None = None, num_labels: int = 2,
                dtype: torch.dtype = torch.float32, hub: bool | None = None, seed: int | None = 0,
                **kwargs) -> tuple[torch.nn.Module, object]:

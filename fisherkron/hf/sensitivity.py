@@ -57,6 +57,7 @@ from ..core.conventions import FisherkronError
 from ..core.lowrank import LowRankLinear, rank_for_ratio
 from ..core.methods import METHODS, decompose_weight
 from ..core.methods import method as method_row
+from ..core.phases import timed
 from ..core.regularization import MIN_ALPHA
 from ..core.shrinkage import split_half_intensity
 from ..env import atomic_write, code_digest, data_root
@@ -153,6 +154,7 @@ def kronecker_halves(stats: CalibrationStats, name: str, mff_options: dict | Non
     return stats.kronecker_halves(name, device=device, **opts)
 
 
+@timed("weighted SVDs")
 def decompose_layer(module: nn.Linear, method: str, stats: CalibrationStats | None, name: str, *,
                     mff_options: dict | None = None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
                     regularization: str = "diag", asvd_alpha: float = 0.5, device=None, info: dict | None = None):
@@ -442,6 +444,7 @@ def _finite(value: float, metric: str, where: str) -> float:
     return value
 
 
+@timed("sensitivity measurements")
 def sensitivity_sweep(model: nn.Module, method: str, stats: CalibrationStats | None, names: list[str], heldout,
                       *, ratios=SENSITIVITY_RATIOS, loss_fn=None, loss_name: str | None = None,
                       min_alpha: float = MIN_ALPHA, mff_options: dict | None = None, regularization: str = "diag",

@@ -45,6 +45,7 @@ from ..core.lowrank import LowRankLinear, lowrank_params
 #: the modules a compression leaves: a layer already one of these is not factorised again
 FACTORISED = (LowRankLinear, SharedBasisLinear)
 from ..core.methods import method as method_row
+from ..core.phases import timed
 from ..core.regularization import MIN_ALPHA
 from . import speed
 from .allocation import (GFWSVD_RECIPE, RECOMMENDED, Allocation, Decompositions, Recipe, allocate, check_options,
@@ -233,6 +234,7 @@ def _recipe_needs(stats: CalibrationStats | None, row) -> None:
                               f"were collected for (compress(model, 'gfwsvd', stats, ...))") from None
 
 
+@timed("compression")
 def compress(model: nn.Module, method: str | None = None, stats: CalibrationStats | None = None, layers=None, *,
              rank: int | None = None, ranks: dict[str, int] | None = None, ratio: float | None = None,
              regularization: str = "diag", alpha: float | None = None, min_alpha: float = MIN_ALPHA,

@@ -82,6 +82,7 @@ from ..core.allocation import max_profitable_rank, saving
 from ..core.checks import check_int, check_positive
 from ..core.conventions import FisherkronError
 from ..core.methods import method as method_row
+from ..core.phases import timed
 from ..core.regularization import MIN_ALPHA
 from ..env import sigterm_as_interrupt
 from .allocation import Decompositions
@@ -460,6 +461,7 @@ def _train(model: nn.Module, soft: dict[str, SoftTruncatedLinear], batches: list
     return step, history, seconds, best, resumed_at
 
 
+@timed("learned truncation")
 def train_truncation(model: nn.Module, method: str, stats: CalibrationStats | None, batches, *, ratio: float,
                      layers=None, init="uniform", decompositions: Decompositions | None = None,
                      epochs: int = 1, steps: int | None = None, accumulate: int = 1, lr: float = DOBI["lr"],

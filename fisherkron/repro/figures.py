@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.conventions import FisherkronError
+from ..core import phases
 from ..env import REPO_ROOT, atomic_write, csv_rows, json_object, read_committed, shown
 from . import tolerance
 
@@ -156,6 +157,9 @@ def provenance(name: str, params: Mapping[str, Any] | None = None, *, files: lis
             is measured from it (default: when this module was imported).
         notebook: the notebook that produced it (``notebooks/<name>.py``).
         extra: anything else worth recording (e.g. measured summary numbers).
+
+    The record's ``phases`` are the seconds this process has spent so far in each of the library's
+    timed phases (:func:`fisherkron.core.phases.seconds`: calibration, MFF, sweeps, scoring, ...).
     """
     rec: dict[str, Any] = {
         "name": name,
@@ -166,6 +170,7 @@ def provenance(name: str, params: Mapping[str, Any] | None = None, *, files: lis
         "git": git_commit(),
         "parameters": _jsonable(dict(params or {})),
         "machine": machine_info(),
+        "phases": phases.seconds(),
     }
     if extra:
         rec["extra"] = _jsonable(dict(extra))
@@ -182,7 +187,7 @@ def write_provenance(folder: str | os.PathLike, name: str, record: Mapping[str, 
 #: runs and of tests lack some
 PROVENANCE_FIELDS = {"name": "text", "notebook": "text|null", "files": "list", "created_utc": "text",
                      "wall_seconds": "number", "git": "object|null", "parameters": "object", "machine": "object",
-                     "caption": "text", "tolerances": "object", "extra": "object"}
+                     "caption": "text", "tolerances": "object", "extra": "object", "phases": "object"}
 
 
 def _tolerances_parse(record: dict) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from ...core.checks import check_int, check_positive
 from ...core.conventions import FisherkronError
 from ...core.distributed import resolve_group
+from ...core.phases import timed
 from ...env import data_root, sigterm_as_interrupt, temporary_name
 from .accumulate import accumulate, save_statistics
 from .bounded import RECORD, bounded_config, collect_groups
@@ -83,6 +84,7 @@ def default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 
+@timed("calibration")
 def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None = None, seed: int = 0,
                         stats=None, methods=None, loss_fn=None, loss_name: str | None = None,
                         cache: bool = True, cache_dir=None, grad_dtype: str = "float32",
