@@ -47,6 +47,9 @@ def _figures_copy(tmp_path: Path) -> Path:
         shutil.copy2(path, figures / path.name)
     for path in (ROOT / "figures").glob("*.csv"):
         shutil.copy2(path, figures / path.name)
+    (figures / "bench").mkdir()
+    for path in (ROOT / "figures" / "bench").glob("bench_recipe.*"):  # the recipe's timed command
+        shutil.copy2(path, figures / "bench" / path.name)
     executed = tmp_path / "notebooks" / "executed"  # the teaching item reads its committed run
     executed.mkdir(parents=True)
     shutil.copy2(ROOT / "notebooks/executed/kronecker_fisher_from_scratch.ipynb", executed)
@@ -68,6 +71,26 @@ def test_planted_drift_is_caught_both_ways(tmp_path):
             row["ppl_ptb"] *= 1.5
     record.write_text(json.dumps(data))
     assert any("'recipe'" in p for p in readme.check(text, figures))
+
+
+def test_the_timed_command_comes_from_the_recipe_benchmark_once_it_has_run(tmp_path):
+    import pandas as pd
+
+    from fisherkron.repro.figures import save_table
+
+    figures = tmp_path / "figures"
+    assert readme.timed_line(figures) == ""  # not run: the block is the study's table alone
+    nan = float("nan")
+    rows = [{"case": "dense", "ratio": 0.0, "ppl_ptb": 56.8, "ptb_x_dense": 1.0, "compress_s": nan,
+             "peak_disk_gb": nan, "others_load": nan},
+            {"case": "recommended", "ratio": 0.2, "ppl_ptb": 115.4, "ptb_x_dense": 2.03, "compress_s": 1140.7,
+             "peak_disk_gb": 4.87, "others_load": 0.5}]
+    save_table(pd.DataFrame(rows), "bench_recipe", figures / "bench", {})
+    line = readme.timed_line(figures)
+    assert "PTB 115.4 (2.03x dense) in 19 min" in line and "4.9 GB" in line and "upper bound" in line
+    save_table(pd.DataFrame(rows[:1]), "bench_recipe", figures / "bench", {})
+    with pytest.raises(FisherkronError, match="no 'recommended' row"):
+        readme.timed_line(figures)
 
 
 def test_a_damaged_record_is_one_line_naming_it(tmp_path):

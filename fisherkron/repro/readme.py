@@ -6,7 +6,8 @@ README.md holds two generated blocks::
     <!-- generated:recipe -->   the recommended recipe's measured quality         <!-- /generated:recipe -->
 
 Each is rendered from ``figures/`` only (no notebook runs): ``results`` by :mod:`.claims`, ``recipe``
-from the allocation study's summary record. Text outside the blocks carries no measured number.
+from the allocation study's summary record and, once it has run, the recipe benchmark's table
+(``figures/bench/bench_recipe``: the first command timed as a user runs it). Text outside the blocks carries no measured number.
 
 * :func:`render` rewrites the blocks of a README text; :func:`check` names the blocks that differ;
 * ``python -m fisherkron.repro.readme [--check] [README.md]`` (``make readme``, ``make readme-check``);
@@ -24,6 +25,7 @@ from pathlib import Path
 from ..core.conventions import FisherkronError
 from ..env import REPO_ROOT, atomic_write, read_committed
 from . import claims
+from .book.records import Outputs, machine_name
 
 __all__ = ["BLOCK", "RENDERERS", "render", "check", "main"]
 
@@ -79,7 +81,25 @@ def recipe_block(figures: Path) -> str:
             f"(k = {k} calibration batches; PTB perplexity on its first 4,096 tokens, dense "
             f"{dense:.1f}):\n\n"
             "| ratio | KFAC-SVD, KL-calibrated | GFWSVD, KL-calibrated | GFWSVD, one ratio for every layer |\n"
-            "|---|---|---|---|\n" + "\n".join(cells))
+            "|---|---|---|---|\n" + "\n".join(cells) + timed_line(figures))
+
+
+def timed_line(figures: Path, ratio: float = 0.2) -> str:
+    """The recommended command at ``ratio`` as ``make bench-recipe`` timed it, or ``""`` before it has run."""
+    if not (figures / "bench" / "bench_recipe.provenance.json").is_file():
+        return ""
+    out = Outputs(figures / "bench")
+    hit = [r for r in out.table("bench_recipe") if r["case"] == "recommended" and r["ratio"] == ratio]
+    if not hit:
+        raise FisherkronError(f"{figures / 'bench' / 'bench_recipe.csv'} has no 'recommended' row at {ratio:g}: "
+                              "run `make bench-recipe` again")
+    r, machine = hit[0], machine_name(out.record("bench_recipe").get("machine", {}))
+    load = r.get("others_load")
+    upper = ("" if not isinstance(load, float) or load < 0.05 else
+             f"; other processes took {load:.0%} of the cores meanwhile, so the time is an upper bound")
+    return (f"\n\nThe first command, timed from an empty cache by `make bench-recipe` on a {machine}: PTB "
+            f"{r['ppl_ptb']:,.1f} ({r['ptb_x_dense']:.2f}x dense) in {r['compress_s'] / 60:.0f} min, with at most "
+            f"{r['peak_disk_gb']:.1f} GB of calibration on disk{upper}.")
 
 
 #: block name -> renderer(figures folder) -> text
