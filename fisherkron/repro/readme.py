@@ -99,7 +99,9 @@ def timed_line(figures: Path, ratio: float = 0.2) -> str:
              f"; other processes took {load:.0%} of the cores meanwhile, so the time is an upper bound")
     return (f"\n\nThe first command, timed from an empty cache by `make bench-recipe` on a {machine}: PTB "
             f"{r['ppl_ptb']:,.1f} ({r['ptb_x_dense']:.2f}x dense) in {r['compress_s'] / 60:.0f} min, with at most "
-            f"{r['peak_disk_gb']:.1f} GB of calibration on disk{upper}.")
+            f"{r['peak_disk_gb']:.1f} GB of calibration on disk{upper}. The command calibrates and measures on "
+            "other C4 documents than the study, so its perplexity is not the "
+            "table's.")
 
 
 #: block name -> renderer(figures folder) -> text
