@@ -40,19 +40,14 @@ print(json.dumps({"digest": h.hexdigest()[:16], "gflops": round(gflops, 1), "thr
 """
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def main() -> int:
-    rows = []
+    from fisherkron.repro.figures import machine_info
+
+    cpu, rows = machine_info()["cpu"], []
     for branch in BRANCHES:
         env = dict(os.environ, MKL_CBWR=branch)
         out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True)
-        row = {"cpu": cpu_model(), "branch": branch, **json.loads(out.stdout.strip().splitlines()[-1]),
+        row = {"cpu": cpu, "branch": branch, **json.loads(out.stdout.strip().splitlines()[-1]),
                "load_average": os.getloadavg()[0]}
         print(json.dumps(row), flush=True)
         rows.append(row)

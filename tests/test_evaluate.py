@@ -164,15 +164,15 @@ def test_lm_eval_tasks_reused_across_calls_score_as_fresh_ones():
     def score(shots):
         """The scores and the prompts (context, continuation) that lm-eval built for them."""
         res = ev.run_lm_eval(model, tok, [task], num_fewshot=shots, limit=2, bootstrap_iters=0)
-        loaded = next(iter(ev._TASK_MANAGERS.values()))._loaded[((task,), shots)]
+        loaded = next(iter(ev._TASK_MANAGERS.values()))[1][((task,), shots)]
         return res, [inst.args for inst in loaded["tasks"][task].instances]
 
     ev._TASK_MANAGERS.clear()
     fresh0, fresh5 = score(0), score(5)
-    manager = next(iter(ev._TASK_MANAGERS.values()))
-    assert len(manager._loaded) == 2                  # one copy per (task list, shot count)
+    _, loaded = next(iter(ev._TASK_MANAGERS.values()))
+    assert len(loaded) == 2                           # one copy per (task list, shot count)
     assert score(0) == fresh0 and score(5) == fresh5  # the same prompts and scores when reused
-    assert len(manager._loaded) == 2                  # ... and nothing loaded again
+    assert len(loaded) == 2                           # ... and nothing loaded again
     ev._TASK_MANAGERS.clear()
     assert score(5) == fresh5
     prompts0, prompts5 = fresh0[1], fresh5[1]

@@ -174,23 +174,21 @@ def evaluate_classifier(model, tokenizer, dataset, **kwargs) -> dict[str, float]
 
 
 class _ReusedTasks:
-    """A :class:`lm_eval.tasks.TaskManager` whose ``load`` builds each task list once per process.
+    """A :class:`lm_eval.tasks.TaskManager` for one shot count whose ``load`` builds each task list once per process.
 
     ``simple_evaluate`` asks its task manager to load the tasks on every call: for the 57 MMLU subjects
     that reads and indexes 57 datasets each time a compressed model is scored. The loaded tasks hold no
     results between calls (each evaluation builds its requests afresh, and ``simple_evaluate`` sets
-    ``num_fewshot`` and re-seeds the few-shot sampler on every call), so one copy serves every call
-    with the same task list and shot count; ``tests/test_evaluate.py`` checks that a reused copy scores
-    exactly as a fresh one.
+    ``num_fewshot`` and re-seeds the few-shot sampler on every call), so one copy, kept in ``loaded`` by
+    task list and shot count, serves every call with the same ones; ``tests/test_evaluate.py`` checks that
+    a reused copy scores exactly as a fresh one.
     """
 
-    def __init__(self, manager):
-        self._manager = manager
-        self._loaded: dict[tuple, dict] = {}
-        self.num_fewshot = None
+    def __init__(self, manager, loaded: dict[tuple, dict], num_fewshot: int | None):
+        self._manager, self._loaded, self._shots = manager, loaded, num_fewshot
 
     def load(self, tasks):
-        key = (tuple(tasks), self.num_fewshot)
+        key = (tuple(tasks), self._shots)
         if key not in self._loaded:
             with phase("lm-eval task loading"):
                 self._loaded[key] = self._manager.load(tasks)
@@ -200,10 +198,11 @@ class _ReusedTasks:
         return getattr(self._manager, name)
 
 
-_TASK_MANAGERS: dict[str, _ReusedTasks] = {}
+#: the process's task managers and their loaded task lists, by task folder ("hub" for the paper profile)
+_TASK_MANAGERS: dict[str, tuple[object, dict[tuple, dict]]] = {}
 
 
-def _task_manager(profile: str) -> _ReusedTasks:
+def _task_manager(profile: str, num_fewshot: int | None) -> _ReusedTasks:
     """The process's task manager for ``profile`` (``"paper"``: lm-eval's hub tasks; else the local YAMLs)."""
     from lm_eval.tasks import TaskManager
 
@@ -213,8 +212,8 @@ def _task_manager(profile: str) -> _ReusedTasks:
     if folder not in _TASK_MANAGERS:
         manager = TaskManager() if profile == "paper" else TaskManager(include_path=folder,
                                                                           include_defaults=False)
-        _TASK_MANAGERS[folder] = _ReusedTasks(manager)
-    return _TASK_MANAGERS[folder]
+        _TASK_MANAGERS[folder] = (manager, {})
+    return _ReusedTasks(*_TASK_MANAGERS[folder], num_fewshot)
 
 
 @timed("lm-eval")
@@ -242,8 +241,7 @@ def run_lm_eval(model, tokenizer, tasks, *, num_fewshot: int | None = 0, limit: 
     if isinstance(tasks, str):
         tasks = [tasks]
     set_offline_env(hub=profile == "paper")
-    tm = _task_manager(profile)
-    tm.num_fewshot = num_fewshot
+    tm = _task_manager(profile, num_fewshot)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     kw = {"max_length": max_length} if max_length else {}
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kw)

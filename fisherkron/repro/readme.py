@@ -7,7 +7,8 @@ README.md holds two generated blocks::
 
 Each is rendered from ``figures/`` only (no notebook runs): ``results`` by :mod:`.claims`, ``recipe``
 from the allocation study's summary record and, once it has run, the recipe benchmark's table
-(``figures/bench/bench_recipe``: the first command timed as a user runs it). Text outside the blocks carries no measured number.
+(``figures/bench/bench_recipe``: the first command timed as a user runs it). Text outside the blocks
+carries no measured number.
 
 * :func:`render` rewrites the blocks of a README text; :func:`check` names the blocks that differ;
 * ``python -m fisherkron.repro.readme [--check] [README.md]`` (``make readme``, ``make readme-check``);
@@ -100,8 +101,7 @@ def timed_line(figures: Path, ratio: float = 0.2) -> str:
     return (f"\n\nThe first command, timed from an empty cache by `make bench-recipe` on a {machine}: PTB "
             f"{r['ppl_ptb']:,.1f} ({r['ptb_x_dense']:.2f}x dense) in {r['compress_s'] / 60:.0f} min, with at most "
             f"{r['peak_disk_gb']:.1f} GB of calibration on disk{upper}. The command calibrates and measures on "
-            "other C4 documents than the study, so its perplexity is not the "
-            "table's.")
+            "other C4 documents than the study, so its perplexity is not the table's.")
 
 
 #: block name -> renderer(figures folder) -> text
