@@ -35,7 +35,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # OpenMP threads wait passively: no stalls when another process shares the cores (README, "Threads")
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: help install lock test test-slow clean-venv
+.PHONY: help install lock test test-unit test-slow clean-venv
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_./%-]+:.*## ' $(MAKEFILE_LIST) | sort -u \
 	  | awk 'BEGIN{FS=":.*## "}{printf "  %-28s %s\n", $$1, $$2}'
@@ -84,9 +84,13 @@ lock: ## regenerate constraints.txt: resolve pyproject.toml ([dev]) afresh in a 
 	mv constraints.txt.tmp constraints.txt
 	rm -rf $(LOCK_VENV)
 
-test: $(STAMP) ## run the fast test suite and the notebook smoke run (CI runs this)
+test: $(STAMP) ## the fast test suite and the notebook smoke run, side by side on two job slots (CI runs this)
+	@start=$$SECONDS; \
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target test-unit smoke || exit $$?; \
+	echo "[test] the tests and the smoke run took $$((SECONDS - start)) s together"
+
+test-unit: $(STAMP) ## the fast test suite alone (pytest, no notebooks)
 	$(PY) -m pytest -q -m "not slow" tests fisherkron
-	$(MAKE) --no-print-directory smoke
 
 test-slow: $(STAMP) ## tests on the embedded pretrained models (minutes)
 	$(PY) -m pytest -q -m slow tests

@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 from distributed_ranks import run_ranks
-from tiny_models import tiny_llama, token_batches
+from tiny_models import slow_loss, tiny_llama, token_batches
 
 import fisherkron as fk
 from fisherkron.core.conventions import FisherkronError
@@ -248,9 +249,11 @@ def sleeper():
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process start times from /proc (Linux)")
-def test_an_owner_marker_names_pid_host_boot_and_start(tmp_path, sleeper, caplog):
+def test_an_owner_marker_names_pid_host_boot_and_start(tmp_path, sleeper, caplog, monkeypatch):
     """A marker whose process id now belongs to another process (started later, or since a restart) is stale;
-    the marker's own live process is respected; another host's is reported with the file to delete."""
+    the marker's own live process is respected (refused when waiting is off); another host's is reported with
+    the file to delete."""
+    monkeypatch.setenv("FISHERKRON_CALIBRATION_WAIT", "0")
     pid, host = sleeper.pid, socket.gethostname()
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     me = {"pid": pid, "host": host, "boot": boot, "clock": "ticks", "start": _proc_start(pid),
@@ -279,6 +282,76 @@ def test_an_owner_marker_names_pid_host_boot_and_start(tmp_path, sleeper, caplog
                 run(cache_dir=tmp_path / name)
             assert "host node-elsewhere" in str(err.value) and f"delete {marker}" in str(err.value)
             assert "\n" not in str(err.value)
+
+
+def _owner_marker(pid):
+    """The marker a live process ``pid`` of this host would write."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return json.dumps({"pid": pid, "host": socket.gethostname(), "boot": boot, "clock": "ticks",
+                       "start": _proc_start(pid), "written": time.time()})
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process start times from /proc (Linux)")
+def test_a_live_owner_is_waited_for_then_its_folder_is_taken_over(tmp_path, caplog, monkeypatch):
+    """A folder a live process of this host fills is waited for (said once); when that process ends without
+    finishing, the folder is resumed from its checkpoint; a wait longer than the limit is refused in one line."""
+    run, calls, partial = _interrupted(tmp_path, after=2, k=3)
+    owner = subprocess.Popen(["sleep", "2"])
+    try:
+        (partial / OWNER).write_text(_owner_marker(owner.pid))
+        monkeypatch.setenv("FISHERKRON_CALIBRATION_WAIT", "0.5")
+        with pytest.raises(FisherkronError) as err:
+            run(cache_dir=tmp_path)
+        assert f"process {owner.pid} is collecting this calibration" in str(err.value)
+        assert "waited" in str(err.value) and "FISHERKRON_CALIBRATION_WAIT" in str(err.value)
+        assert "\n" not in str(err.value) and calls == []
+        monkeypatch.setenv("FISHERKRON_CALIBRATION_WAIT", "60")
+        start = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="fisherkron"):
+            st = run(cache_dir=tmp_path)
+        assert owner.poll() is not None and time.monotonic() - start >= 1.0
+    finally:
+        owner.kill()
+        owner.wait()
+    assert caplog.text.count(f"process {owner.pid} is collecting this calibration") == 1
+    assert f"process {owner.pid} is done with" in caplog.text
+    assert len(calls) == 1 and not st.from_cache  # the interrupted run kept batches 1 and 2: batch 3 remains
+    monkeypatch.setenv("FISHERKRON_CALIBRATION_WAIT", "soon")
+    with pytest.raises(FisherkronError, match="FISHERKRON_CALIBRATION_WAIT='soon' is not a number of seconds"):
+        run(cache_dir=tmp_path / "elsewhere")
+
+
+_SLOW_COLLECTOR = """
+import sys
+sys.path.insert(0, {tests!r})
+from tiny_models import slow_loss, tiny_llama, token_batches
+from fisherkron.hf.calibration import collect_calibration
+
+collect_calibration(tiny_llama(), token_batches(k=3, B=2, T=8, seed=0), {layers!r}, loss_fn=slow_loss,
+                    loss_name="slow", cache_dir={root!r})
+"""
+
+
+def test_a_second_process_waits_for_the_first_and_reads_its_entry(tmp_path, caplog):
+    """Two processes asking for the same calibration at once (two notebooks under ``make -j2``): the second
+    waits for the first and reads the entry it sealed; nothing is collected twice."""
+    code = _SLOW_COLLECTOR.format(tests=str(HERE.parent), layers=LAYERS, root=str(tmp_path))
+    first = subprocess.Popen([sys.executable, "-c", code])
+    run = functools.partial(collect_calibration, tiny_llama(), _batches(k=3), LAYERS, loss_fn=slow_loss,
+                            loss_name="slow")
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(f"*.partial/{OWNER}")):
+            assert first.poll() is None and time.monotonic() < deadline, "the first process never started"
+            time.sleep(0.05)
+        with caplog.at_level(logging.INFO, logger="fisherkron"):
+            st = run(cache_dir=tmp_path)
+        assert first.wait(timeout=60) == 0
+    finally:
+        first.kill()
+        first.wait()
+    assert st.from_cache and f"process {first.pid} is collecting this calibration" in caplog.text
+    _same_entry(st, run(cache_dir=tmp_path / "ref"))
 
 
 @pytest.fixture

@@ -305,7 +305,7 @@ def test_sigterm_during_calibration_keeps_the_batches_done_and_a_rerun_resumes(g
         assert st.layers[name]["tokens"] == ref.layers[name]["tokens"]
 
 
-def test_a_second_signal_stops_calibration_at_once_and_a_live_owner_is_respected(tmp_path):
+def test_a_second_signal_stops_calibration_at_once_and_a_live_owner_is_respected(tmp_path, monkeypatch):
     model, b = tiny_llama(), _batches(k=3)
     calls = []
 
@@ -319,7 +319,8 @@ def test_a_second_signal_stops_calibration_at_once_and_a_live_owner_is_respected
         collect_calibration(model, b, "model.layers.0.mlp.up_proj", loss_fn=loss, loss_name="s", cache_dir=tmp_path)
     (partial,) = list(tmp_path.iterdir())
     assert not (partial / "progress.pt").exists()  # nothing finished: a rerun starts from batch 1
-    # a folder another live process is filling is left alone
+    # a folder another live process is filling is left alone (refused at once with waiting off)
+    monkeypatch.setenv("FISHERKRON_CALIBRATION_WAIT", "0")
     (partial / "owner.pid").write_text(str(os.getppid()))
     with pytest.raises(FisherkronError, match=f"process {os.getppid()} is collecting this calibration"):
         collect_calibration(model, b, "model.layers.0.mlp.up_proj", loss_fn=loss, loss_name="s", cache_dir=tmp_path)

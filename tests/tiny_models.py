@@ -27,3 +27,11 @@ def token_batches(k=4, seed=0, B=2, T=10, vocab=97):
         x = torch.randint(1, vocab, (B, T), generator=g)
         out.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
     return out
+
+
+def slow_loss(model, batch):
+    """The causal-LM loss after 0.7 s of sleep: a collection slow enough for another process to meet it."""
+    import time
+
+    time.sleep(0.7)
+    return model(**batch).loss

@@ -29,7 +29,7 @@ from .bounded import RECORD, bounded_config, collect_groups
 from .disk import format_size, layer_disk, parse_size, plan_groups
 from .entry import GRANULARITIES, METHOD_STATS, STATS, CalibrationStats, read_manifest, write_manifest
 from .folders import (OWNER, PARTIAL_SUFFIX, NoSpace, no_space, owned, preallocate, read_only, reclaim,
-                      release_entry, seal, writable_root)
+                      release_entry, seal, wait_for_owner, writable_root)
 from .keys import calibration_key, config_key
 from .layers import select_layers
 from .ranks import collect_on_ranks
@@ -221,6 +221,8 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         return collect_on_ranks(model, batches, names, modules, shapes, stats, loss_fn or default_loss, progress,
                                  key=key, config=config, root=root, final=final, cache=cache,
                                  verify_cache=verify_cache, group=group, checkpoint_seconds=checkpoint_seconds)
+    if cache:  # another process filling this entry: wait for it, then read what it wrote
+        wait_for_owner(partial)
     reclaim(root, partial)
     if cache:
         man = read_manifest(final, key, verify_cache)

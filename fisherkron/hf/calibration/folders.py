@@ -5,7 +5,10 @@
   this host the marker is stale when that process is gone, or when the id now belongs to a
   process that started at another time (after a restart, or a reuse of the id); a marker of
   another host sharing the cache is not judged: the message names that host and the file to
-  delete if its run has ended (:func:`owned`).
+  delete if its run has ended (:func:`owned`). A process that needs a folder another live
+  process on this host is filling waits for it (:func:`wait_for_owner`, at most
+  :data:`WAIT_SECONDS`) and then reads the finished entry: two notebooks started together
+  (``make -j2``) collect a shared calibration once.
 * **Abandoned folders** (:func:`reclaim`): temporaries of dead processes are removed
   (:func:`fisherkron.env.remove_stale_temporaries`); every other configuration's
   ``<key>.partial/`` is reported at WARNING with its size and age, and removed when no live
@@ -35,7 +38,8 @@ from ...core.conventions import FisherkronError
 from ...env import _pid_alive, remove_stale_temporaries
 from .keys import code_version
 
-__all__ = ["PARTIAL_SUFFIX", "OWNER", "INFO", "MAX_PARTIAL_AGE", "NoSpace", "owned", "owner_line", "reclaim",
+__all__ = ["PARTIAL_SUFFIX", "OWNER", "INFO", "MAX_PARTIAL_AGE", "WAIT_SECONDS", "NoSpace", "owned", "owner_line",
+           "wait_for_owner", "reclaim",
            "release_entry", "seal", "preallocate", "writable_root", "read_only", "no_space"]
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,9 @@ log = logging.getLogger(__name__)
 PARTIAL_SUFFIX = ".partial"
 #: the owner marker of a folder being filled
 OWNER = "owner.pid"
+#: the longest a process waits for another live process on this host to finish the folder it needs, in
+#: seconds (``$FISHERKRON_CALIBRATION_WAIT`` overrides it; 0 refuses at once)
+WAIT_SECONDS = 6 * 3600.0
 #: what a ``<key>.partial/`` was started by: its key and the code version (the keys it can resume under)
 INFO = "partial.json"
 #: seconds after which an untouched ``<key>.partial/`` of another configuration is removed (7 days)
@@ -71,6 +78,14 @@ def _start_of(pid: int) -> tuple[str, float] | None:
         return "psutil", float(psutil.Process(pid).create_time())
     except Exception:  # noqa: BLE001 - psutil missing, or no such process
         return None
+
+
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` is a process that has exited and waits for its parent to read its status (a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # field 3: state
+    except (OSError, IndexError):
+        return False
 
 
 def _me() -> dict:
@@ -108,6 +123,8 @@ def _alive(owner: dict) -> bool:
     pid = owner["pid"]
     if owner.get("boot") and _boot_id() and owner["boot"] != _boot_id():
         return False  # the machine restarted since: that process is gone
+    if _ended(pid):
+        return False
     if owner.get("clock") and owner.get("start") is not None:
         now = _start_of(pid)
         if now is None or now[0] != owner["clock"]:
@@ -130,6 +147,39 @@ def owner_line(folder: Path) -> str | None:
         return None
     return (f"process {owner['pid']} is collecting this calibration into {folder}; wait for it to finish "
             f"(or stop it) and run again")
+
+
+def wait_for_owner(folder: Path, poll: float = 1.0) -> float:
+    """Wait while another live process on this host fills ``folder``; returns the seconds waited.
+
+    Says once at INFO whom it waits for. After :data:`WAIT_SECONDS` (``$FISHERKRON_CALIBRATION_WAIT``;
+    at once when it is 0) it refuses in :func:`owner_line`'s words; a marker of another host is not
+    waited for (its process cannot be judged from here) and is left to :func:`owned` to refuse.
+    """
+    text = os.environ.get("FISHERKRON_CALIBRATION_WAIT", "")
+    try:
+        limit = float(text) if text.strip() else WAIT_SECONDS
+    except ValueError:
+        raise FisherkronError(f"FISHERKRON_CALIBRATION_WAIT={text!r} is not a number of seconds; set it to e.g. "
+                              f"600, or 0 to refuse at once") from None
+    start, pid = time.monotonic(), None
+    while True:
+        owner = _read_owner(folder / OWNER)
+        line = owner_line(folder)
+        if line is None or (owner or {}).get("host", socket.gethostname()) != socket.gethostname():
+            waited = time.monotonic() - start
+            if pid is not None:
+                log.info("process %s is done with %s; waited %.0f s", pid, folder, waited)
+            return waited
+        if time.monotonic() - start >= limit:
+            raise FisherkronError(line if pid is None else
+                                  f"{line} (waited {time.monotonic() - start:.0f} s; FISHERKRON_CALIBRATION_WAIT "
+                                  f"sets how long)")
+        if pid is None:
+            pid = owner["pid"]
+            log.info("process %s is collecting this calibration into %s: waiting for it (at most %.0f s; "
+                     "Ctrl-C stops)", pid, folder, limit)
+        time.sleep(poll)
 
 
 @contextlib.contextmanager
