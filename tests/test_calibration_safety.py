@@ -306,6 +306,7 @@ def test_a_live_owner_is_waited_for_then_its_folder_is_taken_over(tmp_path, capl
         assert "waited" in str(err.value) and "FISHERKRON_CALIBRATION_WAIT" in str(err.value)
         assert "\n" not in str(err.value) and calls == []
         monkeypatch.setenv("FISHERKRON_CALIBRATION_WAIT", "60")
+        caplog.clear()
         start = time.monotonic()
         with caplog.at_level(logging.INFO, logger="fisherkron"):
             st = run(cache_dir=tmp_path)

@@ -152,9 +152,10 @@ def owner_line(folder: Path) -> str | None:
 def wait_for_owner(folder: Path, poll: float = 1.0) -> float:
     """Wait while another live process on this host fills ``folder``; returns the seconds waited.
 
-    Says once at INFO whom it waits for. After :data:`WAIT_SECONDS` (``$FISHERKRON_CALIBRATION_WAIT``;
-    at once when it is 0) it refuses in :func:`owner_line`'s words; a marker of another host is not
-    waited for (its process cannot be judged from here) and is left to :func:`owned` to refuse.
+    Says once at WARNING whom it waits for (a command line shows it by default). After
+    :data:`WAIT_SECONDS` (``$FISHERKRON_CALIBRATION_WAIT``; at once when it is 0) it refuses in
+    :func:`owner_line`'s words; a marker of another host is not waited for (its process cannot be
+    judged from here) and is left to :func:`owned` to refuse.
     """
     text = os.environ.get("FISHERKRON_CALIBRATION_WAIT", "")
     try:
@@ -177,8 +178,8 @@ def wait_for_owner(folder: Path, poll: float = 1.0) -> float:
                                   f"sets how long)")
         if pid is None:
             pid = owner["pid"]
-            log.info("process %s is collecting this calibration into %s: waiting for it (at most %.0f s; "
-                     "Ctrl-C stops)", pid, folder, limit)
+            log.warning("process %s is collecting this calibration into %s: waiting for it (at most %.0f s; "
+                        "Ctrl-C stops)", pid, folder, limit)
         time.sleep(poll)
 
 
