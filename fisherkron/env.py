@@ -232,8 +232,16 @@ def temporary_name(stem: str) -> str:
     return f"{TMP_PREFIX}{os.getpid()}-{stem}-"
 
 
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits for its parent to read its status (a zombie; Linux ``/proc``)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # field 3: state
+    except (OSError, IndexError):
+        return False
+
+
 def _pid_alive(pid: int, since: float | None = None) -> bool:
-    """Whether process ``pid`` runs on this host.
+    """Whether process ``pid`` runs on this host (one that has exited, unreaped by its parent, does not).
 
     ``since``: a time (seconds since the epoch) at which the process in question held ``pid``,
     e.g. when it last wrote a file. A process that started more than a minute after it is
@@ -250,6 +258,8 @@ def _pid_alive(pid: int, since: float | None = None) -> bool:
         return False
     except PermissionError:  # another user's live process
         pass
+    if _exited(pid):
+        return False
     if since is None:
         return True
     started = None

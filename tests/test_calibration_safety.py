@@ -239,6 +239,13 @@ def _proc_start(pid):
     return float(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
 
 
+def _owner_record(pid):
+    """What a live process ``pid`` of this host writes into its owner marker."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return {"pid": pid, "host": socket.gethostname(), "boot": boot, "clock": "ticks", "start": _proc_start(pid),
+            "written": time.time()}
+
+
 @pytest.fixture
 def sleeper():
     proc = subprocess.Popen(["sleep", "120"])
@@ -254,10 +261,7 @@ def test_an_owner_marker_names_pid_host_boot_and_start(tmp_path, sleeper, caplog
     the marker's own live process is respected (refused when waiting is off); another host's is reported with
     the file to delete."""
     monkeypatch.setenv("FISHERKRON_CALIBRATION_WAIT", "0")
-    pid, host = sleeper.pid, socket.gethostname()
-    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    me = {"pid": pid, "host": host, "boot": boot, "clock": "ticks", "start": _proc_start(pid),
-          "written": time.time()}
+    pid, me = sleeper.pid, _owner_record(sleeper.pid)
     cases = [("legacy-reused", str(pid), True),  # the first version's marker: the id alone, written a day ago
              ("other-boot", json.dumps({**me, "boot": "a-boot-before-the-restart"}), True),
              ("other-start", json.dumps({**me, "start": me["start"] + 1000}), True),
@@ -284,13 +288,6 @@ def test_an_owner_marker_names_pid_host_boot_and_start(tmp_path, sleeper, caplog
             assert "\n" not in str(err.value)
 
 
-def _owner_marker(pid):
-    """The marker a live process ``pid`` of this host would write."""
-    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return json.dumps({"pid": pid, "host": socket.gethostname(), "boot": boot, "clock": "ticks",
-                       "start": _proc_start(pid), "written": time.time()})
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process start times from /proc (Linux)")
 def test_a_live_owner_is_waited_for_then_its_folder_is_taken_over(tmp_path, caplog, monkeypatch):
     """A folder a live process of this host fills is waited for (said once); when that process ends without
@@ -298,7 +295,7 @@ def test_a_live_owner_is_waited_for_then_its_folder_is_taken_over(tmp_path, capl
     run, calls, partial = _interrupted(tmp_path, after=2, k=3)
     owner = subprocess.Popen(["sleep", "2"])
     try:
-        (partial / OWNER).write_text(_owner_marker(owner.pid))
+        (partial / OWNER).write_text(json.dumps(_owner_record(owner.pid)))
         monkeypatch.setenv("FISHERKRON_CALIBRATION_WAIT", "0.5")
         with pytest.raises(FisherkronError) as err:
             run(cache_dir=tmp_path)

@@ -80,14 +80,6 @@ def _start_of(pid: int) -> tuple[str, float] | None:
         return None
 
 
-def _ended(pid: int) -> bool:
-    """Whether ``pid`` is a process that has exited and waits for its parent to read its status (a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # field 3: state
-    except (OSError, IndexError):
-        return False
-
-
 def _me() -> dict:
     clock, start = _start_of(os.getpid()) or (None, None)
     return {"pid": os.getpid(), "host": socket.gethostname(), "boot": _boot_id(), "clock": clock, "start": start,
@@ -123,7 +115,7 @@ def _alive(owner: dict) -> bool:
     pid = owner["pid"]
     if owner.get("boot") and _boot_id() and owner["boot"] != _boot_id():
         return False  # the machine restarted since: that process is gone
-    if _ended(pid):
+    if not _pid_alive(pid):  # gone, or exited and not yet reaped by its parent
         return False
     if owner.get("clock") and owner.get("start") is not None:
         now = _start_of(pid)
@@ -135,8 +127,12 @@ def _alive(owner: dict) -> bool:
 
 def owner_line(folder: Path) -> str | None:
     """Why ``folder`` is taken: a one-line message naming its live (or unjudgeable) owner, or ``None``."""
+    return _taken(folder, _read_owner(folder / OWNER))
+
+
+def _taken(folder: Path, owner: dict | None) -> str | None:
+    """:func:`owner_line` for the ``owner`` read from ``folder``'s marker."""
     marker = folder / OWNER
-    owner = _read_owner(marker)
     if owner is None:
         return None
     host = owner.get("host")
@@ -166,8 +162,8 @@ def wait_for_owner(folder: Path, poll: float = 1.0) -> float:
     start, pid = time.monotonic(), None
     while True:
         owner = _read_owner(folder / OWNER)
-        line = owner_line(folder)
-        if line is None or (owner or {}).get("host", socket.gethostname()) != socket.gethostname():
+        line = _taken(folder, owner)
+        if line is None or owner.get("host", socket.gethostname()) != socket.gethostname():
             waited = time.monotonic() - start
             if pid is not None:
                 log.info("process %s is done with %s; waited %.0f s", pid, folder, waited)
