@@ -118,9 +118,16 @@ tab_glue_results: ## Tab. glue_results + Tab. glue_extended + Fig. bert_glue_avg
 # -- aggregate targets ----------------------------------------------------------
 # Second expansion: `all` sees the notebooks that mk/*.mk files read after this one add.
 .SECONDEXPANSION:
-.PHONY: all notebooks clean-build
+.PHONY: all notebooks clean-build ledger-save ledger-restore
 all: notebooks ## regenerate every figure and table (PROFILE=default|paper; default writes figures/)
 notebooks: $$(NOTEBOOKS) ## execute every notebook whose inputs changed (PROFILE as for `all`)
 
 clean-build: ## remove executed notebooks and smoke outputs (build/notebooks, build/smoke)
 	rm -rf build/notebooks build/smoke
+
+# The ledger (fisherkron/repro/ledger.py): the finished scores and sweeps of a long study, committed so that it
+# resumes on another machine. `all` and `verify` never read it; restore it only to resume.
+ledger-save: | $(STAMP) ## copy finished study scores and sweeps from data/cache into data/ledger (to commit)
+	$(PY) -m fisherkron.repro.ledger save
+ledger-restore: | $(STAMP) ## copy data/ledger into data/cache where missing (resume a long study on a new machine)
+	$(PY) -m fisherkron.repro.ledger restore
