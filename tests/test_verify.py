@@ -92,7 +92,7 @@ def test_a_table_value_edited_by_hand_is_caught_and_a_timing_is_not(tmp_path, ca
 
     gaps = pd.read_csv(new / "tab_synthetic_gaps.csv")
     committed = gaps.loc[2, "gap"]
-    gaps.loc[2, "gap"] += 4 * gaps.loc[2, "se"]  # one number edited by hand, beyond its declared 3 se
+    gaps.loc[2, "gap"] += 5 * gaps.loc[2, "se"]  # one number edited by hand, beyond 3 se of the difference (4.2 se)
     gaps.to_csv(new / "tab_synthetic_gaps.csv", index=False)
     assert verify.main(args) == 1
     out = capsys.readouterr().out
@@ -133,7 +133,7 @@ def test_a_run_keeps_one_record_per_notebook_with_what_it_found(tmp_path, monkey
     assert rec["others_cpu_share"] is None or 0.0 <= rec["others_cpu_share"] <= 1.0
 
     gaps = pd.read_csv(new / "tab_synthetic_gaps.csv")
-    gaps.loc[2, "gap"] += 4 * gaps.loc[2, "se"]  # the value edited by hand: the record names it
+    gaps.loc[2, "gap"] += 5 * gaps.loc[2, "se"]  # the value edited by hand: the record names it
     gaps.to_csv(new / "tab_synthetic_gaps.csv", index=False)
     assert verify.main(args) == 1
     rec = json.loads((records / "fig_synthetic_correlations.json").read_text())
@@ -143,7 +143,7 @@ def test_a_run_keeps_one_record_per_notebook_with_what_it_found(tmp_path, monkey
     # a resumed run says what it resumes: a statistics run's scratch folder still links data/'s calibrations
     (scratch / "data" / "cache").mkdir(parents=True)
     (scratch / "data" / "cache" / "calibration").symlink_to(tmp_path)
-    gaps.loc[2, "gap"] -= 4 * gaps.loc[2, "se"]
+    gaps.loc[2, "gap"] -= 5 * gaps.loc[2, "se"]
     gaps.to_csv(new / "tab_synthetic_gaps.csv", index=False)
     assert verify.main([*args, "--data", "scratch"]) == 0
     rec = json.loads((records / "fig_time_algo.json").read_text())
@@ -187,14 +187,29 @@ def test_structural_changes_fail(tmp_path):
 
 def test_text_cells_compare_their_numbers_within_the_seed_spread():
     ref = pd.DataFrame({"m": ["SVD", "ratio"], "acc": ["0.616 ± 0.006", "5.8 %"]})
-    tol = {"m": "exact", "acc": "3*pm/sqrt(3)"}  # 3 standard errors: 3 * 0.006 / sqrt(3) = 0.0104
-    ok = ref.assign(acc=["0.626 ± 0.007", "5.8 %"])
-    far = ref.assign(acc=["0.630 ± 0.006", "5.8 %"])
+    # 3 standard errors of the difference of the two 3-seed means: 3 * sqrt(0.006^2 + 0.006^2) / sqrt(3) = 0.0147
+    tol = {"m": "exact", "acc": "3*pm/sqrt(3)"}
+    ok = ref.assign(acc=["0.629 ± 0.006", "5.8 %"])
+    far = ref.assign(acc=["0.633 ± 0.006", "5.8 %"])
     words = ref.assign(acc=["0.616 +- 0.006", "5.8 %"])
     assert verify.compare_frames("t", ref, ok, tol).status == "PASS"
     assert verify.compare_frames("t", ref, far, tol).status == "FAIL"
     assert verify.compare_frames("t", ref, words, tol).status == "FAIL"
     assert verify.compare_frames("t", ref, ref.assign(acc=["0.616 ± 0.006", "5.9 %"]), tol).status == "FAIL"
+
+
+def test_a_spread_bounds_the_difference_of_two_means_each_with_its_own_spread():
+    # two seeds each: the committed spread came out small by chance, the new run's is larger
+    ref = pd.DataFrame({"row": ["LoRA"], "ppl": ["185 ± 0.36"], "acc": [0.50], "se": [0.01]})
+    tol = {"row": "exact", "ppl": "rel=0.05 + 3*pm/sqrt(2)", "acc": "3*se(se)", "se": "abs=0.1"}
+    # 3 * sqrt(0.36^2 + 10.99^2) / sqrt(2) = 23.3, + 9.25 + half a printed unit of each: 14 apart passes
+    assert verify.compare_frames("t", ref, ref.assign(ppl=["199 ± 10.99"]), tol).status == "PASS"
+    # the committed spread alone (3 * 0.36 / sqrt(2) + 9.25 + 1 = 11.0) would not have admitted it; with both
+    # spreads small (11.4) the same difference still fails
+    assert verify.compare_frames("t", ref, ref.assign(ppl=["199 ± 0.40"]), tol).status == "FAIL"
+    # se columns: 3 * sqrt(0.01^2 + 0.04^2) = 0.124
+    assert verify.compare_frames("t", ref, ref.assign(acc=[0.62], se=[0.04]), tol).status == "PASS"
+    assert verify.compare_frames("t", ref, ref.assign(acc=[0.62], se=[0.01]), tol).status == "FAIL"
 
 
 def test_the_registry_declares_only_real_columns_of_tables_declared_nowhere_else():

@@ -23,8 +23,9 @@ The grammar of one declaration:
 ``abs=X``                   ``X``
 ``rel=X``                   ``X * |committed|`` (float32 results: summation order differs
                             between CPUs and thread counts, see STYLE.md item 11)
-``K*se(COL)``               ``K`` times the committed row's ``COL``, a standard error
-``K*sd(COL)/sqrt(N)``       ``K * COL / sqrt(N)``, ``COL`` a standard deviation over ``N`` seeds
+``K*se(COL)``               ``K`` times the standard error of the difference: ``COL`` of the
+                            committed row and of the new one, ``K * sqrt(se_c^2 + se_n^2)``
+``K*sd(COL)/sqrt(N)``       the same with ``COL / sqrt(N)``, ``COL`` a standard deviation over ``N`` seeds
 ``K*pm/sqrt(N)``            the same for a text cell ``"0.618 ± 0.002"``: the number after ``±``
                             is the standard deviation (of ``N`` seeds)
 ==========================  ==================================================================
@@ -89,20 +90,32 @@ class Tolerance:
         """The other columns this tolerance reads (``se(COL)`` / ``sd(COL)``)."""
         return {s.column for s in self.spreads if s.column is not None}
 
-    def width(self, ref: float, row: Mapping[str, Any] | None = None, cell_sd: float | None = None) -> float:
+    def width(self, ref: float, row: Mapping[str, Any] | None = None, cell_sd: float | None = None, *,
+              new_row: Mapping[str, Any] | None = None, new_cell_sd: float | None = None) -> float:
         """The allowed ``|new - ref|`` for the committed value ``ref`` in the committed ``row``.
+
+        A spread term bounds the difference of two means, each with its own standard error: with the
+        committed one ``e_c`` (from ``row`` or ``cell_sd``) and, when given, the new run's ``e_n`` (from
+        ``new_row`` or ``new_cell_sd``), ``K * sqrt(e_c^2 + e_n^2)``; with ``e_c`` alone, ``K * e_c``. A few seeds
+        estimate a spread poorly, so neither run's estimate is taken as the truth: a committed spread that came
+        out small by chance would otherwise hold the new run to a precision its seeds never had.
 
         >>> parse("rel=0.01 + 2*se(se)").width(100.0, {"se": 0.5})
         2.0
+        >>> parse("2*se(se)").width(1.0, {"se": 0.3}, new_row={"se": 0.4})
+        1.0
         """
         if self.kind != "bound":
             return 0.0
         w = self.abs + self.rel * abs(ref)
         for s in self.spreads:
-            v = cell_sd if s.kind == "pm" else _number((row or {}).get(s.column))
-            if v is None or not math.isfinite(v):
-                continue  # no spread known for this value: the other terms (possibly 0) bound it
-            w += s.k * abs(v) / (math.sqrt(s.n) if s.kind in ("sd", "pm") else 1.0)
+            errors = []
+            for r, sd in ((row, cell_sd), (new_row, new_cell_sd)):
+                v = sd if s.kind == "pm" else _number((r or {}).get(s.column))
+                if v is not None and math.isfinite(v):
+                    errors.append(abs(v) / (math.sqrt(s.n) if s.kind in ("sd", "pm") else 1.0))
+            if errors:  # else no spread known for this value: the other terms (possibly 0) bound it
+                w += s.k * math.sqrt(sum(e * e for e in errors))
         return w
 
 

@@ -210,7 +210,8 @@ def _numbers(s: str) -> tuple[str, list[float], int | None, list[float]]:
             [_unit(m.group()) for m in found])
 
 
-def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple[float, float | None, float | None]:
+def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any],
+          new_row: Mapping[str, Any] | None = None) -> tuple[float, float | None, float | None]:
     """``(margin, |diff|, width)`` of one value; margin <= 1 passes, ``inf`` for a mismatch of kind or words."""
     ref, new = _py(ref), _py(new)
     if _missing(ref) and _missing(new):
@@ -234,6 +235,7 @@ def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple
     # carries float rounding (0.275 - 0.225 = 0.05000000000000002)
     slack = [0.5 * (a + b) + 4 * sys.float_info.epsilon * max(abs(x), abs(y)) for a, b, (x, y) in zip(ur, un, pairs)]
     sd = None if at is None else abs(pairs[at][0])  # the committed spread
+    sd_new = None if at is None else abs(pairs[at][1])  # the new run's
     worst = (0.0, 0.0, 0.0)
     for i, (a, b) in enumerate(pairs):
         if tol.kind == "exact":
@@ -242,7 +244,7 @@ def _cell(ref: Any, new: Any, tol: T.Tolerance, row: Mapping[str, Any]) -> tuple
             # a spread "m ± sd" is held to its mean's width: a relative tolerance of the spread itself
             # would ask a seed spread to reproduce more tightly than the mean it describes
             scale = pairs[i - 1][0] if i == at and i > 0 else a
-            d, w = abs(b - a), tol.width(scale, row, cell_sd=sd)
+            d, w = abs(b - a), tol.width(scale, row, cell_sd=sd, new_row=new_row, new_cell_sd=sd_new)
             m = (max(d - slack[i], 0.0) / w if w > 0 else (0.0 if d == 0 else math.inf), d, w)
         worst = max(worst, m, key=lambda t: t[0])
     return worst
@@ -289,7 +291,7 @@ def compare_frames(name: str, ref, new, declared: Mapping[str, str] | None = Non
         rep.worst = math.inf
         return rep
     labels = [", ".join(str(_py(v)) for v in r[:2]) for r in ref.itertuples(index=False)]
-    rows = ref.to_dict("records")
+    rows, new_rows = ref.to_dict("records"), new.to_dict("records")
     for col in [c for c in ref.columns if c in new.columns]:
         if col in declared:
             tol = T.parse(declared[col])
@@ -305,7 +307,7 @@ def compare_frames(name: str, ref, new, declared: Mapping[str, str] | None = Non
         rep.columns += 1
         for i, (a, b) in enumerate(zip(ref[col], new[col])):
             rep.values += 1
-            margin, d, w = _cell(a, b, tol, rows[i])
+            margin, d, w = _cell(a, b, tol, rows[i], new_rows[i])
             if margin > rep.worst:
                 rep.worst, rep.worst_at = margin, f"{col!r} row {i + 1}"
             if margin > 1:
