@@ -124,7 +124,7 @@ for i, (method, strategy, ratio) in enumerate(cases):
     t = time.perf_counter()
     row = rank_allocation.run_case(setup, method, strategy, ratio)
     rows.append({kk: v for kk, v in row.items() if kk != "ranks"})
-    print(f"[{i + 1}/{len(cases)}] {method:9s} {strategy:11s} {ratio:.0%}: PTB {row['ppl_ptb']:10.1f}  "
+    print(f"[{i + 1}/{len(cases)}] {method:9s} {strategy:11s} {ratio * 100:g} %: PTB {row['ppl_ptb']:10.1f}  "
           f"wiki {row['ppl_wiki']:10.1f}  ({time.perf_counter() - t:.0f} s)", flush=True)
 df = pd.DataFrame(rows)
 df["ptb_x_dense"] = df["ppl_ptb"] / setup.base["ppl_ptb"]
@@ -241,24 +241,24 @@ for ratio, target in ((0.10, target_10), (0.20, target_20)):
     if b is not None:
         ok = bool(b["ppl_ptb"] <= target * base)
         verdict[f"gfwsvd_{int(ratio * 100)}_within_{target:g}x"] = ok
-        lines.append(f"* GFWSVD at {ratio:.0%}, best allocation ({b['strategy']}): PTB {b['ppl_ptb']:.1f} = "
+        lines.append(f"* GFWSVD at {ratio * 100:g} %, best allocation ({b['strategy']}): PTB {b['ppl_ptb']:.1f} = "
                      f"{b['ppl_ptb'] / base:.1f}x the uncompressed {base:.1f}; target {target:g}x: "
                      f"**{'met' if ok else 'missed'}**.")
     f, s = get("gfwsvd", "fisher", ratio), get("gfwsvd", "sensitivity", ratio)
     if f is not None and s is not None:
         ok = bool(f["ppl_ptb"] <= s["ppl_ptb"])
         verdict[f"fisher_at_least_sensitivity_{int(ratio * 100)}"] = ok
-        lines.append(f"* At {ratio:.0%}, `fisher` ({f['ppl_ptb']:.1f}, 0 evaluations) against `sensitivity` "
+        lines.append(f"* At {ratio * 100:g} %, `fisher` ({f['ppl_ptb']:.1f}, 0 evaluations) against `sensitivity` "
                      f"({s['ppl_ptb']:.1f}, {int(s['allocation_evaluations'])} evaluations, "
                      f"{s['allocation_seconds']:.0f} s): **{'at least as good' if ok else 'worse'}**.")
     u = get("gfwsvd", "uniform", ratio)
     if u is not None and f is not None:
-        lines.append(f"* Uniform GFWSVD at {ratio:.0%}: {u['ppl_ptb']:.1f}; the fisher allocation improves it "
+        lines.append(f"* Uniform GFWSVD at {ratio * 100:g} %: {u['ppl_ptb']:.1f}; the fisher allocation improves it "
                      f"{u['ppl_ptb'] / f['ppl_ptb']:.1f}x.")
 for ratio in sorted(set(other_ratios) & set(full_ratios)):
     ranking = sorted(((best(m, ratio)["ppl_ptb"], m) for m in methods if best(m, ratio) is not None))
     verdict[f"ranking_{int(ratio * 100)}"] = [m for _, m in ranking]
-    lines.append(f"* Best allocation per method at {ratio:.0%} (PTB): " +
+    lines.append(f"* Best allocation per method at {ratio * 100:g} % (PTB): " +
                  ", ".join(f"{m} {p:.1f}" for p, m in ranking) + ".")
 lines.append(f"* Theorem 1's prediction orders single-layer compressions with Spearman {rho_layer:.2f} "
              f"and whole GFWSVD allocations with {rho_whole:.2f}.")
