@@ -40,3 +40,42 @@ def test_command_line(tmp_path, monkeypatch, capsys):
     assert ledger.main(["save"]) == 0
     assert "1 file(s)" in capsys.readouterr().out
     assert (tmp_path / "ledger" / "studies" / "a.json").is_file()
+
+
+def test_runs_log_counts_every_run_interrupted_ones_up_to_their_last_sign_of_life(tmp_path):
+    import os
+    import time
+
+    cache, book = tmp_path / "cache", tmp_path / "ledger"
+    done = ledger.run_started("fig_a", "default", cache=cache)
+    ledger.run_ended(done, True, 120.0, 200.0, cache=cache)
+    # a run whose process is gone: it ends at its progress log's last write
+    log = tmp_path / "fig_b.progress.log"
+    log.write_text("case 3 of 24")
+    lost = ledger.run_started("fig_b", "default", progress=log, cache=cache)
+    events = [json.loads(x) for x in (cache / ledger.RUNS).read_text().splitlines()]
+    start = next(e for e in events if e["run"] == lost)
+    start["pid"] = 2 ** 22 + 12345  # no such process
+    (cache / ledger.RUNS).write_text("".join(json.dumps(e) + "\n" for e in events if e["run"] != lost)
+                                     + json.dumps(start) + "\n")
+    os.utime(log, (start["t"] + 600, start["t"] + 600))
+    # a run still going (this process): counted up to the save
+    alive = ledger.run_started("fig_b", "default", cache=cache)
+    smoke = ledger.run_started("fig_a", "smoke", cache=cache)  # another profile: not counted
+    time.sleep(0.05)
+    assert ledger.RUNS in ledger.save(cache, book)
+    costs = ledger.run_costs(book)
+    assert costs["fig_a"] == {"runs": 1, "seconds": 120.0, "finished": True}
+    assert costs["fig_b"]["runs"] == 2 and not costs["fig_b"]["finished"]
+    assert 600.0 <= costs["fig_b"]["seconds"] < 600.0 + 60
+    # the live run ends; the next save merges its end, which replaces its provisional count
+    ledger.run_ended(alive, True, 3000.0, cache=cache)
+    ledger.run_ended(smoke, True, 1.0, cache=cache)
+    ledger.save(cache, book)
+    costs = ledger.run_costs(book)
+    assert costs["fig_b"] == {"runs": 2, "seconds": 3600.0, "finished": True}
+    # with every run ended, merging again changes nothing
+    before = (book / ledger.RUNS).read_text()
+    assert ledger.RUNS not in ledger.save(cache, book)
+    assert (book / ledger.RUNS).read_text() == before
+    assert ledger.restore(tmp_path / "elsewhere", book) == []  # the log is never copied back

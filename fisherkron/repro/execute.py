@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..env import REPO_ROOT
+from . import ledger
 
 __all__ = ["rel", "commands", "progress_log", "kernel_env", "execute", "main"]
 
@@ -135,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
               f"the notebooks are listed by `make help`", file=sys.stderr)
         return 2
     print(f"[notebook] {a.name}: its progress streams into {progress_log(a.name, build)} (tail -f)", flush=True)
-    ok, sec, _ = execute(a.name, Path(a.figdir), build, profile=a.profile)
+    run = ledger.run_started(a.name, a.profile, progress=(REPO_ROOT / progress_log(a.name, build)).resolve())
+    ok, sec, cpu = execute(a.name, Path(a.figdir), build, profile=a.profile)
+    ledger.run_ended(run, ok, sec, cpu)
     if not ok:
         print(f"[notebook] {a.name} FAILED: see {build / f'{a.name}.failed.ipynb'}", file=sys.stderr)
         return 1

@@ -18,24 +18,39 @@ that made it are the same; a changed source gives new keys and the entries are s
 copies cache files into the ledger where they are new or changed (a sweep that grew). A cold run is one without
 ``restore``: ``make all`` and ``make verify`` never read the ledger.
 
+**What a run split over machines cost.** Every notebook executed by ``make`` (:mod:`fisherkron.repro.execute`)
+appends a ``start`` and an ``end`` line to ``data/cache/runs.jsonl``; ``save`` merges them into the ledger's
+``runs.jsonl``, closing each run that has no end: a run whose process is gone ends at the last write of its
+progress log (``lost``), one still running is counted up to the save (``alive``; a later save of the same
+machine counts it further). :func:`run_costs` adds up, per notebook, the wall seconds of every run of it,
+interrupted ones included: what a study that resumed from the ledger cost in all.
+
 Command line::
 
     python -m fisherkron.repro.ledger save     # data/cache -> data/ledger
     python -m fisherkron.repro.ledger restore  # data/ledger -> data/cache
+    python -m fisherkron.repro.ledger runs     # the wall time of every notebook's runs, in all
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import socket
+import time
+import uuid
 from pathlib import Path
 
-from ..env import atomic_write, data_root
+from ..env import _pid_alive, atomic_write, data_root
 
-__all__ = ["KEPT", "ledger_root", "kept_files", "save", "restore", "main"]
+__all__ = ["KEPT", "RUNS", "ledger_root", "kept_files", "save", "restore", "run_started", "run_ended", "run_costs",
+           "main"]
 
 #: the cache files the ledger keeps: (folder under ``data/cache``, file pattern searched recursively)
 KEPT = (("studies", "*.json"), ("allocation", "sensitivity-*.json"))
+#: the log of notebook runs, in ``data/cache`` and in the ledger
+RUNS = "runs.jsonl"
 
 
 def ledger_root() -> Path:
@@ -62,7 +77,8 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 def save(cache: Path | None = None, ledger: Path | None = None) -> list[str]:
-    """Copy the kept cache files that are new or changed into the ledger; returns their relative paths."""
+    """Copy the kept cache files that are new or changed into the ledger, and merge the runs log (see the module
+    docstring); returns the relative paths written."""
     cache, ledger = Path(cache or data_root() / "cache"), Path(ledger or ledger_root())
     done = []
     for rel, src in kept_files(cache).items():
@@ -70,7 +86,105 @@ def save(cache: Path | None = None, ledger: Path | None = None) -> list[str]:
         if not dst.is_file() or dst.read_bytes() != src.read_bytes():
             _copy(src, dst)
             done.append(rel)
+    if _merge_runs(cache / RUNS, ledger / RUNS):
+        done.append(RUNS)
     return done
+
+
+# -- the runs log
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _read_runs(path: Path) -> list[dict]:
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut short by a crash
+    return out
+
+
+def _append(path: Path, event: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(event, sort_keys=True) + "\n")
+
+
+def run_started(notebook: str, profile: str, progress: Path | None = None, cache: Path | None = None) -> str:
+    """Log the start of a notebook run in ``data/cache/runs.jsonl``; returns the run's id."""
+    run = uuid.uuid4().hex[:12]
+    now = time.time()
+    _append(Path(cache or data_root() / "cache") / RUNS,
+            {"event": "start", "run": run, "notebook": notebook, "profile": profile, "t": now, "time": _utc(now),
+             "host": socket.gethostname(), "pid": os.getpid(), "progress": str(progress) if progress else None})
+    return run
+
+
+def run_ended(run: str, ok: bool, seconds: float, cpu_seconds: float | None = None, cache: Path | None = None) -> None:
+    """Log the end of run ``run`` (its wall and CPU seconds)."""
+    now = time.time()
+    _append(Path(cache or data_root() / "cache") / RUNS,
+            {"event": "end", "run": run, "ok": bool(ok), "seconds": round(float(seconds), 1), "t": now,
+             "time": _utc(now), "cpu_seconds": None if cpu_seconds is None else round(float(cpu_seconds), 1)})
+
+
+def _close(start: dict, now: float) -> dict:
+    """The closing event of a run that logged no end: ``lost`` (its process gone: it ended at its progress log's
+    last write, or at its start when there is none) or ``alive`` (counted up to ``now``)."""
+    same_host = start.get("host") == socket.gethostname()
+    if same_host and _pid_alive(int(start.get("pid") or 0), since=start["t"]):
+        end, event = now, "alive"
+    else:
+        log = Path(start["progress"]) if start.get("progress") else None
+        end = log.stat().st_mtime if same_host and log is not None and log.is_file() else start["t"]
+        end, event = max(end, start["t"]), "lost"
+    return {"event": event, "run": start["run"], "seconds": round(end - start["t"], 1), "t": end, "time": _utc(end)}
+
+
+def _merge_runs(src: Path, dst: Path) -> bool:
+    """Merge the runs log ``src`` into ``dst`` (lines new to it), closing the runs without an end; whether ``dst``
+    changed."""
+    have = _read_runs(dst)
+    seen = {json.dumps(e, sort_keys=True) for e in have}
+    new = [e for e in _read_runs(src) if json.dumps(e, sort_keys=True) not in seen]
+    events = have + new
+    ended = {e["run"] for e in events if e.get("event") == "end"}
+    now = time.time()
+    for e in [e for e in events if e.get("event") == "start" and e["run"] not in ended]:
+        closing = _close(e, now)
+        if closing["event"] == "alive" or not any(x.get("run") == e["run"] and x.get("event") == "lost"
+                                                  for x in events):
+            new.append(closing)
+    if not new:
+        return False
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(dst, lambda t: Path(t).write_text("".join(json.dumps(e, sort_keys=True) + "\n"
+                                                           for e in have + new)))
+    return True
+
+
+def run_costs(ledger: Path | None = None, profile: str = "default") -> dict[str, dict]:
+    """Per notebook run at ``profile``, from the ledger's runs log: ``{"runs", "seconds", "finished"}``: how many
+    runs, their wall seconds in all (an interrupted run up to its last sign of life), and whether one finished."""
+    events = _read_runs(Path(ledger or ledger_root()) / RUNS)
+    last: dict[str, dict] = {}
+    for e in events:
+        if e.get("event") != "start":
+            prev = last.get(e["run"])
+            if prev is None or prev.get("event") != "end":  # an end is final; else the latest closing counts
+                last[e["run"]] = e
+    out: dict[str, dict] = {}
+    for e in events:
+        if e.get("event") == "start" and e.get("profile") == profile:
+            c = out.setdefault(e["notebook"], {"runs": 0, "seconds": 0.0, "finished": False})
+            close = last.get(e["run"], {})
+            c["runs"] += 1
+            c["seconds"] += float(close.get("seconds") or 0.0)
+            c["finished"] |= bool(close.get("event") == "end" and close.get("ok"))
+    return out
 
 
 def restore(cache: Path | None = None, ledger: Path | None = None) -> list[str]:
@@ -87,8 +201,13 @@ def restore(cache: Path | None = None, ledger: Path | None = None) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fisherkron.repro.ledger", description=__doc__.split("\n")[0])
-    ap.add_argument("action", choices=("save", "restore"))
+    ap.add_argument("action", choices=("save", "restore", "runs"))
     args = ap.parse_args(argv)
+    if args.action == "runs":
+        for name, c in sorted(run_costs().items()):
+            print(f"{name}: {c['runs']} run(s), {c['seconds'] / 3600:.2f} h in all"
+                  f"{'' if c['finished'] else ', not finished'}")
+        return 0
     done = save() if args.action == "save" else restore()
     print(f"[ledger] {args.action}: {len(done)} file(s)")
     return 0
