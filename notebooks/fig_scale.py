@@ -28,13 +28,12 @@
 # embeddings) and Qwen2.5-Coder-0.5B-Instruct (Qwen2: biases on q/k/v, untied head). Their block linears, the
 # layers every method compresses, hold about 106M, 100M and 358M parameters.
 #
-# **One protocol for all** (the decoder tables' protocol, with k = 16 calibration batches so that every
-# model's gradients fit on 20 GB of disk): C4 calibration, held-out sweep batches for the one-point
-# measurements, held-out selection batches, perplexity on the first 4,096 tokens of PTB test and of a
-# Wikipedia text in 512-token windows. Each method runs with Theorem 1's free curves (`fisher`) and with the
-# curves calibrated by one KL point per layer (`calibrated_kl`), at 10 % and 20 % of the whole model's
-# parameters removed; where one allocation is needed, each method takes the one of lower held-out selection
-# loss.
+# **One protocol for all** (the decoder tables' protocol, with k = 8 calibration batches so that MFF of the largest
+# model's factors and of their split halves takes about an hour on 2 cores): C4 calibration, held-out sweep batches
+# for the one-point measurements, held-out selection batches, perplexity on the first 4,096 tokens of PTB test and
+# of a Wikipedia text in 512-token windows. Each method runs with Theorem 1's free curves (`fisher`) and with the
+# curves calibrated by one KL point per layer (`calibrated_kl`), at 10 % and 20 % of the whole model's parameters
+# removed; where one allocation is needed, each method takes the one of lower held-out selection loss.
 #
 # **Shrunk GFWSVD** (`gfwsvd_shrunk`, not in the paper): MFF's `A`, `B` replaced by
 # `(1 - lambda) A + lambda diag(A)`, with `lambda` for each factor of each layer estimated from the gradients
@@ -56,7 +55,7 @@ output_dir = "figures"  # paper: "figures/paper"
 profile = "default"
 models = ["smollm2", "gemma3-270m", "qwen2.5-0.5b"]  # paper: the two Llamas
 calib_docs = 500  # paper: 30000
-k = 16  # paper: 75
+k = 8  # paper: 75
 batch_size = 2  # paper: 128
 seq_len = 256  # paper: 2048
 seed = 0
