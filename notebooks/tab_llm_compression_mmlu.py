@@ -182,8 +182,8 @@ if score_rows:
     lines.append(f"* MMLU cannot tell {len(at_chance)} of {len(scored)} compressed rows from chance (within two "
                  f"standard errors of {chance}); {dense_txt}.")
 else:
-    lines.append(f"* **MMLU cannot inform at this scale**: the dense model answers {dense['mmlu_average']:.3f} ± "
-                 f"{dense['mmlu_average_se']:.3f} of {int(dense['mmlu_average_n'])} questions, no more than two "
+    lines.append(f"* **MMLU cannot inform at this scale**: the dense model's accuracy is {dense['mmlu_average']:.3f} ± "
+                 f"{dense['mmlu_average_se']:.3f} on {int(dense['mmlu_average_n'])} questions, no more than two "
                  f"standard errors above chance ({chance}), so "
                  f"no compressed row was scored on it, and the paper's MMLU claims cannot be tested here; the "
                  f"perplexity columns still compare the methods.")

@@ -84,6 +84,12 @@ def test_mmlu_cannot_tell_while_the_dense_model_is_at_chance_and_judges_once_it_
     for label in ("tab:Llama2_compression", "tab:Llama3_compression"):
         assert ITEM[label].ours(records)[1] == "cannot tell"
         assert ITEM[label].ours(clear)[1] in ("holds", "holds in part", "does not hold")
+    # the compressed rows not scored at all (the dense model at chance): no lead to read
+    unscored = copy.deepcopy(records)
+    v = unscored["tab_llm_compression_mmlu_summary"]["extra"]["verdict"]
+    v["dense_at_chance"], v["at_chance"], v["lead_over"] = True, [], {"fwsvd": [], "asvd": []}
+    ours, verdict = fig(unscored)
+    assert verdict == "cannot tell" and ours.startswith("rows not scored")
 
 
 def test_behind_svd_llm_is_not_at_this_scale_only_while_the_gap_narrows_with_k(records):

@@ -404,6 +404,10 @@ def _mmlu_avg(records: Records) -> tuple[str, str]:
     extra = records["tab_llm_compression_mmlu_summary"]["extra"]
     v, ratios = extra["verdict"], records["tab_llm_compression_mmlu_summary"]["parameters"]["ratios"]
     lead = v["lead_over"]["fwsvd"]
+    if not lead:  # the compressed rows were not scored: the dense model itself is at chance
+        dense = v["dense"]
+        return (f"rows not scored: the dense model is at chance ({dense['mmlu_average']:.2f} ± "
+                f"{dense['mmlu_average_se']:.2f})"), "cannot tell"
     ours = (f"lead over FWSVD {lead[0]:+.3f} at {_pct(ratios[0])}, {lead[-1]:+.3f} at {_pct(ratios[-1])}; "
             f"{len(v['at_chance'])} of {len(extra['rows'])} rows at chance")
     if _at_chance(v, extra["rows"]):
