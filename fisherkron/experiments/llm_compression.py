@@ -441,7 +441,7 @@ class Study:
         common = {"lm_eval": lm_eval.__version__, "tasks": "hub" if p.profile == "paper" else f"local-v{VERSION}",
                   "batch_size": p.lm_eval_batch_size, "bootstrap_iters": p.bootstrap_iters}
         if kind == "zeroshot":
-            return {**common, "names": list(ZERO_SHOT), "limit": p.zero_shot_limit, "fewshot": 0}
+            return {**common, "names": list(ZERO_SHOT), "limit": p.zero_shot_limit, "fewshot": 0, "per_example": True}
         return {**common, "names": list(p.mmlu_tasks), "limit": p.mmlu_limit, "fewshot": 5}
 
     def config(self, case: Case, kind: str) -> dict:
@@ -547,6 +547,7 @@ class Study:
         profile = "paper" if p.profile == "paper" else "default"
         if kind == "zeroshot":
             res = run_lm_eval(model, self.tokenizer, list(ZERO_SHOT), num_fewshot=0, limit=p.zero_shot_limit,
+                              per_example=True,
                               batch_size=p.lm_eval_batch_size, bootstrap_iters=p.bootstrap_iters, profile=profile,
                               seed=p.seed)
             return zero_shot_scores(res)

@@ -74,7 +74,9 @@ def pooled_accuracy(parts) -> tuple[float, float, int]:
 
 def zero_shot_scores(results: dict) -> dict:
     """``{task: {"acc", "se", "n"}}`` (:data:`METRIC`) and their unweighted ``average``, whose standard
-    error is ``sqrt(sum se_t^2) / 6`` (independent tasks)."""
+    error is ``sqrt(sum se_t^2) / 6`` (independent tasks); a task scored ``per_example``
+    (:func:`fisherkron.hf.evaluate.run_lm_eval`) also keeps ``"examples"``, each example's score, for
+    :func:`paired_gap`."""
     out = {}
     for t in ZERO_SHOT:
         if t not in results:
@@ -83,6 +85,8 @@ def zero_shot_scores(results: dict) -> dict:
         metric = METRIC[t]
         out[t] = {"acc": float(r[metric]), "se": float(r.get(f"{metric}_stderr", float("nan"))),
                   "n": int(r.get("sample_len", 0))}
+        if f"{metric}_examples" in r:
+            out[t]["examples"] = [float(x) for x in r[f"{metric}_examples"]]
     accs = [out[t]["acc"] for t in ZERO_SHOT]
     out["average"] = {"acc": sum(accs) / len(accs),
                       "se": math.sqrt(sum(out[t]["se"] ** 2 for t in ZERO_SHOT)) / len(ZERO_SHOT),
@@ -145,6 +149,8 @@ def flatten(scores: dict) -> dict:
         row[f"ppl_{text}"] = _num(ppl)
     for task, r in scores.get("zeroshot", {}).items():
         row[task], row[f"{task}_se"], row[f"{task}_n"] = _num(r["acc"]), _num(r["se"]), r["n"]
+        if "examples" in r:
+            row[f"{task}_examples"] = list(r["examples"])
     for cat, r in scores.get("mmlu", {}).items():
         row[f"mmlu_{cat}"], row[f"mmlu_{cat}_se"], row[f"mmlu_{cat}_n"] = _num(r["acc"]), _num(r["se"]), r["n"]
     return row
@@ -428,6 +434,34 @@ def gap(a: float, se_a: float, b: float, se_b: float, z: float = 2.0) -> dict:
     return {"diff": d, "se": se, "beyond": bool(abs(d) > z * se) if math.isfinite(se) else False}
 
 
+def paired_gap(a, b, tasks=ZERO_SHOT, z: float = 2.0) -> dict | None:
+    r"""The gap between two rows' unweighted task-average accuracies, scored on the same examples, with the
+    standard error of the paired differences: per task ``t`` with ``n_t`` examples and per-example differences
+    ``d_{t,i} = x^a_{t,i} - x^b_{t,i}``, the gap is ``(1/T) sum_t mean_i d_{t,i}`` and its standard error
+    ``(1/T) sqrt(sum_t var_i(d_{t,i}) / n_t)`` (sample variance, ``ddof = 1``). ``None`` when a row lacks a task's
+    ``<task>_examples`` or the two were scored on different numbers of examples.
+
+    >>> g = paired_gap({"t_examples": [1, 1, 0, 1]}, {"t_examples": [1, 0, 0, 1]}, tasks=("t",))
+    >>> g["diff"], round(g["se"], 3), g["beyond"], g["paired"]
+    (0.25, 0.25, False, True)
+    """
+    d_mean, var = [], 0.0
+    for t in tasks:
+        xa, xb = _examples(a, t), _examples(b, t)
+        if xa is None or xb is None or len(xa) != len(xb) or len(xa) < 2:
+            return None
+        d = np.asarray(xa, dtype=float) - np.asarray(xb, dtype=float)
+        d_mean.append(float(d.mean()))
+        var += float(d.var(ddof=1)) / len(d)
+    diff, se = float(np.mean(d_mean)), math.sqrt(var) / len(d_mean)
+    return {"diff": diff, "se": se, "beyond": bool(abs(diff) > z * se) if se > 0 else diff != 0, "paired": True}
+
+
+def _examples(row, task: str):
+    x = row.get(f"{task}_examples") if hasattr(row, "get") else None
+    return x if isinstance(x, (list, tuple, np.ndarray)) else None
+
+
 def _row(rows: pd.DataFrame, target: float, method: str, block: str = "paper"):
     rows = _scored(rows)
     sub = rows[(rows["method"] == method) & np.isclose(rows["target"], target) & (rows["block"] == block)]
@@ -438,7 +472,9 @@ def compare(rows: pd.DataFrame, targets, ours: str = "gfwsvd", others=("fwsvd", 
             block: str = "paper", accuracy: str | None = "average", z: float = 2.0) -> list[dict]:
     """Does ``ours`` beat each of ``others`` at each target ratio? Per (ratio, other): the two PTB and
     Wikipedia perplexities (lower wins: a fixed text, no standard error) and, with ``accuracy`` (a score
-    column with its ``_se``), the accuracy gap and whether it lies beyond ``z`` standard errors."""
+    column with its ``_se``), the accuracy gap and whether it lies beyond ``z`` standard errors: for the
+    zero-shot ``average`` of two rows scored on the same examples, the paired standard error
+    (:func:`paired_gap`, ``acc_paired``), else that of two independent accuracies (:func:`gap`)."""
     out = []
     for target in targets:
         a = _row(rows, target, ours, block)
@@ -449,9 +485,10 @@ def compare(rows: pd.DataFrame, targets, ours: str = "gfwsvd", others=("fwsvd", 
             rec = {"target": target, "ours": ours, "other": other, "block": block,
                    "ppl_ptb": bool(a["ppl_ptb"] < b["ppl_ptb"]), "ppl_wiki": bool(a["ppl_wiki"] < b["ppl_wiki"])}
             if accuracy is not None and accuracy in a and accuracy in b and not pd.isna(a[accuracy]):
-                g = gap(a[accuracy], a[f"{accuracy}_se"], b[accuracy], b[f"{accuracy}_se"], z)
+                g = (paired_gap(a, b, z=z) if accuracy == "average" else None) \
+                    or gap(a[accuracy], a[f"{accuracy}_se"], b[accuracy], b[f"{accuracy}_se"], z)
                 rec.update({"acc_diff": g["diff"], "acc_se": g["se"], "acc_beyond_se": g["beyond"],
-                            "acc_wins": bool(g["diff"] > 0)})
+                            "acc_wins": bool(g["diff"] > 0), "acc_paired": bool(g.get("paired", False))})
             rec["beats"] = rec["ppl_ptb"] and rec["ppl_wiki"] and rec.get("acc_wins", True)
             out.append(rec)
     return out

@@ -219,8 +219,12 @@ def _task_manager(profile: str, num_fewshot: int | None) -> _ReusedTasks:
 @timed("lm-eval")
 def run_lm_eval(model, tokenizer, tasks, *, num_fewshot: int | None = 0, limit: int | float | None = None,
                 bootstrap_iters: int = 100, batch_size: int = 1, profile: str = "default",
-                seed: int = 0, max_length: int | None = None) -> dict[str, dict[str, float]]:
+                seed: int = 0, max_length: int | None = None, per_example: bool = False) -> dict[str, dict]:
     """lm-eval on an in-memory model: ``{task: {metric: value}}`` (plus ``*_stderr``).
+
+    ``per_example``: also ``{task: {"<metric>_examples": [value of each example, in lm-eval's document
+    order]}}``, so that two models scored on the same examples can be compared pair by pair (the standard error
+    of a paired difference is far below that of two independent accuracies).
 
     Args:
         tasks: names from :data:`fisherkron.lm_eval_tasks.LOCAL_TASKS` (``"mmlu"`` is the
@@ -246,11 +250,16 @@ def run_lm_eval(model, tokenizer, tasks, *, num_fewshot: int | None = 0, limit: 
     kw = {"max_length": max_length} if max_length else {}
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kw)
     out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                          bootstrap_iters=bootstrap_iters, task_manager=tm, log_samples=False,
+                          bootstrap_iters=bootstrap_iters, task_manager=tm, log_samples=per_example,
                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                           fewshot_random_seed=seed)
     res = {}
     for name, metrics in out["results"].items():
         res[name] = {k.split(",")[0]: float(v) for k, v in metrics.items()
                      if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for name, samples in (out.get("samples") or {}).items() if per_example else ():
+        samples = sorted(samples, key=lambda e: e["doc_id"])
+        for metric in (samples[0].get("metrics") or []) if samples else []:
+            if metric in res.get(name, {}):
+                res[name][f"{metric}_examples"] = [float(e[metric]) for e in samples]
     return res
