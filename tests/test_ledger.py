@@ -79,3 +79,22 @@ def test_runs_log_counts_every_run_interrupted_ones_up_to_their_last_sign_of_lif
     assert ledger.RUNS not in ledger.save(cache, book)
     assert (book / ledger.RUNS).read_text() == before
     assert ledger.restore(tmp_path / "elsewhere", book) == []  # the log is never copied back
+
+
+def test_a_run_another_machine_counted_keeps_its_last_count(tmp_path, monkeypatch):
+    import time
+
+    cache, book = tmp_path / "cache", tmp_path / "ledger"
+    run = ledger.run_started("fig_c", "default", cache=cache)
+    ledger.save(cache, book)  # alive: counted up to this save
+    counted = ledger.run_costs(book)["fig_c"]["seconds"]
+    # a new machine (its own name, an empty cache, the run's process and log gone with the old one)
+    monkeypatch.setattr(ledger.socket, "gethostname", lambda: "another-machine")
+    assert ledger.save(tmp_path / "new-cache", book) == []
+    assert ledger.run_costs(book)["fig_c"] == {"runs": 1, "seconds": counted, "finished": False}
+    # ... or a machine of the same name started after the run (a new session's machine)
+    monkeypatch.undo()
+    monkeypatch.setattr(ledger, "_booted", lambda: time.time())
+    assert ledger.save(tmp_path / "new-cache", book) == []
+    assert ledger.run_costs(book)["fig_c"]["seconds"] == counted
+    assert run

@@ -22,7 +22,7 @@ copies cache files into the ledger where they are new or changed (a sweep that g
 appends a ``start`` and an ``end`` line to ``data/cache/runs.jsonl``; ``save`` merges them into the ledger's
 ``runs.jsonl``, closing each run that has no end: a run whose process is gone ends at the last write of its
 progress log (``lost``), one still running is counted up to the save (``alive``; a later save of the same
-machine counts it further). :func:`run_costs` adds up, per notebook, the wall seconds of every run of it,
+machine counts it further; a machine that cannot see the run any more leaves its last count). :func:`run_costs` adds up, per notebook, the wall seconds of every run of it,
 interrupted ones included: what a study that resumed from the ledger cost in all.
 
 Command line::
@@ -131,16 +131,29 @@ def run_ended(run: str, ok: bool, seconds: float, cpu_seconds: float | None = No
              "time": _utc(now), "cpu_seconds": None if cpu_seconds is None else round(float(cpu_seconds), 1)})
 
 
-def _close(start: dict, now: float) -> dict:
-    """The closing event of a run that logged no end: ``lost`` (its process gone: it ended at its progress log's
-    last write, or at its start when there is none) or ``alive`` (counted up to ``now``)."""
-    same_host = start.get("host") == socket.gethostname()
+def _booted() -> float:
+    """When this machine started (seconds since the epoch; 0 where ``/proc/stat`` does not tell)."""
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    return 0.0
+
+
+def _close(start: dict, now: float) -> dict | None:
+    """The closing event of a run that logged no end: ``alive`` (its process still runs here: counted up to
+    ``now``), ``lost`` (gone: it ended at its progress log's last write), or ``None`` when this machine cannot
+    tell (another machine's run, its log gone with it)."""
+    same_host = start.get("host") == socket.gethostname() and _booted() <= start["t"]  # not a later machine of that name
     if same_host and _pid_alive(int(start.get("pid") or 0), since=start["t"]):
         end, event = now, "alive"
     else:
         log = Path(start["progress"]) if start.get("progress") else None
-        end = log.stat().st_mtime if same_host and log is not None and log.is_file() else start["t"]
-        end, event = max(end, start["t"]), "lost"
+        if not same_host or log is None or not log.is_file() or log.stat().st_mtime < start["t"]:
+            return None
+        end, event = log.stat().st_mtime, "lost"
     return {"event": event, "run": start["run"], "seconds": round(end - start["t"], 1), "t": end, "time": _utc(end)}
 
 
@@ -155,8 +168,8 @@ def _merge_runs(src: Path, dst: Path) -> bool:
     now = time.time()
     for e in [e for e in events if e.get("event") == "start" and e["run"] not in ended]:
         closing = _close(e, now)
-        if closing["event"] == "alive" or not any(x.get("run") == e["run"] and x.get("event") == "lost"
-                                                  for x in events):
+        lost = any(x.get("run") == e["run"] and x.get("event") == "lost" for x in events)
+        if closing is not None and not lost:  # else the last count stands (a run that cannot be seen any more)
             new.append(closing)
     if not new:
         return False
