@@ -75,3 +75,37 @@ def test_rankings_order_the_methods_and_compare_models_by_kendalls_tau():
     assert rk["order"]["a"] == ["kfac_svd", "svd_llm", "gfwsvd_shrunk", "gfwsvd"]
     assert rk["kendall_tau"]["a / b"] == pytest.approx(1.0)
     assert rk["kendall_tau"]["a / c"] == pytest.approx(-1.0)  # the order reversed
+
+
+def test_a_finished_model_is_read_back_without_calibrating_it_again(tmp_path, monkeypatch):
+    from fisherkron import hf
+    from fisherkron.experiments import llm_compression as lc
+    from tiny_models import tiny_llama
+
+    monkeypatch.setenv("FISHERKRON_DATA", str(tmp_path))
+    model = tiny_llama()
+    monkeypatch.setattr(hf, "load_model", lambda name, **kw: (model, None))
+    monkeypatch.setattr(lc, "check_reachable", lambda *a: None)
+    proto = lc.Protocol.from_params({"model_name": "tiny", "k": 2})
+    zs = {("dense", "dense", 0.0)}
+    from fisherkron.hf.calibration import model_fingerprint
+
+    path = sc.model_record_path(proto, ("gfwsvd",), ("fisher",), (0.1,), zs, model_fingerprint(model))
+    kept = {"model": "tiny", "rows": [{"method": "dense", "ppl_ptb": 1.5}], "timings": {"compress": 9.0},
+            "first": {"compress": 9.0}, "intensities": []}
+    sc.write_model_record(path, kept)
+
+    def no_prepare(*a, **k):
+        raise AssertionError("a finished model must not be prepared again")
+
+    monkeypatch.setattr(lc, "prepare", no_prepare)
+    got = sc.run_model(proto, ("gfwsvd",), ("fisher",), (0.1,), zero_shot=[("dense", "dense", 0.0)], progress=False)
+    assert got["rows"] == kept["rows"] and got["first"] == kept["first"]
+    assert got["timings"] == {} and got["cached"] == {"model record": 1}
+    # anything else of the study names another record: another k, another ratio, other weights
+    other = lc.Protocol.from_params({"model_name": "tiny", "k": 3})
+    assert sc.model_record_path(other, ("gfwsvd",), ("fisher",), (0.1,), zs, model_fingerprint(model)) != path
+    assert sc.model_record_path(proto, ("gfwsvd",), ("fisher",), (0.2,), zs, model_fingerprint(model)) != path
+    assert sc.model_record_path(proto, ("gfwsvd",), ("fisher",), (0.1,), zs, "other weights") != path
+    path.write_text("{broken")
+    assert sc.read_model_record(path) is None  # unreadable: computed again

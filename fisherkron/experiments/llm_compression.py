@@ -656,17 +656,28 @@ def run_table(study: Study, methods, targets, kinds, *, extra=(), allocations=AL
     return rows, selections
 
 
-def prepare(protocol: Protocol, target: str = "tab_llm_compression_main", progress: bool = True) -> Study:
+def code_tag() -> str:
+    """The code part of every case key: :data:`CODE_VERSION`, the package version, :func:`sources_hash` and the
+    versions of torch and transformers."""
+    import transformers
+
+    return (f"{CODE_VERSION}/{__version__}/{sources_hash()}/torch-{torch.__version__}/"
+            f"transformers-{transformers.__version__}")
+
+
+def prepare(protocol: Protocol, target: str = "tab_llm_compression_main", progress: bool = True,
+            loaded: tuple | None = None) -> Study:
     """Load the model, calibrate (cached), draw the held-out batches and tokenise the evaluation texts.
 
-    ``target``: the notebook's Make target, named in the one-line error of an unreachable hub model.
+    ``target``: the notebook's Make target, named in the one-line error of an unreachable hub model;
+    ``loaded``: ``(model, tokenizer)`` of ``protocol.model_name`` already loaded (else it is loaded here).
     """
     from .. import hf
     from ..hf.calibration import model_fingerprint
 
     check_reachable(protocol.model_name, target)
     p = protocol
-    model, tok = hf.load_model(p.model_name)
+    model, tok = loaded if loaded is not None else hf.load_model(p.model_name)
     docs = _documents(p)
     if p.calib_docs + p.sweep_docs >= len(docs):
         raise FisherkronError(f"calib_docs={p.calib_docs} + sweep_docs={p.sweep_docs} leave no selection documents "
@@ -681,12 +692,8 @@ def prepare(protocol: Protocol, target: str = "tab_llm_compression_main", progre
     profile = "paper" if p.profile == "paper" else "default"
     texts = {"wiki": hf.wiki_text(profile=profile), "ptb": hf.ptb("test", profile=profile)}
     eval_ids = {name: first_tokens(tok, text, p.eval_tokens) for name, text in texts.items()}
-    import transformers
-
-    code = (f"{CODE_VERSION}/{__version__}/{sources_hash()}/torch-{torch.__version__}/"
-            f"transformers-{transformers.__version__}")
-    return Study(p, model, tok, stats, sweep, select, eval_ids, list(stats.layers), model_fingerprint(model), code,
-                 data_root() / "cache" / "studies" / "llm_compression")
+    return Study(p, model, tok, stats, sweep, select, eval_ids, list(stats.layers), model_fingerprint(model),
+                 code_tag(), data_root() / "cache" / "studies" / "llm_compression")
 
 
 # ----------------------------------------------------------------------------- the sweep's noise

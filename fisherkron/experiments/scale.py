@@ -17,15 +17,20 @@ the methods' order.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
+import hashlib
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 
 from ..core.conventions import FisherkronError
 
 __all__ = ["SCALE_METHODS", "SCALE_ALLOCATIONS", "RIVALS", "block_linear_params", "run_model", "window_ppl",
-           "paired_gap", "best_case", "gap_rows", "trend", "shrinkage_effect", "rankings", "layer_type", "intensities"]
+           "paired_gap", "best_case", "gap_rows", "trend", "shrinkage_effect", "rankings", "layer_type", "intensities",
+           "model_record_path", "read_model_record", "write_model_record"]
 
 #: the methods of the study, in the order of its tables
 SCALE_METHODS = ("fwsvd", "asvd", "svd_llm", "kfac_svd", "gfwsvd", "gfwsvd_shrunk")
@@ -33,6 +38,8 @@ SCALE_METHODS = ("fwsvd", "asvd", "svd_llm", "kfac_svd", "gfwsvd", "gfwsvd_shrun
 SCALE_ALLOCATIONS = ("fisher", "calibrated_kl")
 #: GFWSVD's rivals in the gap: the paper's strongest baseline and the strongest we know of
 RIVALS = ("svd_llm", "kfac_svd")
+#: bump when the meaning of a kept model record changes
+MODEL_RECORD_VERSION = 1
 
 
 def block_linear_params(model, names) -> int:
@@ -104,16 +111,29 @@ def run_model(protocol, methods=SCALE_METHODS, allocations=SCALE_ALLOCATIONS, ra
     cases run method by method (each method's weighted SVDs computed once for all its cases) and scored on the
     held-out selection loss and the evaluation windows; every score comes from, or goes to, the study's cache,
     so an interrupted run resumes at the next case. ``zero_shot``: ``(method, allocation, ratio)`` cases (and
-    ``("dense", "dense", 0.0)``) also scored on the zero-shot tasks. The model is freed before returning.
+    ``("dense", "dense", 0.0)``) also scored on the zero-shot tasks. The finished result is kept
+    (:func:`model_record_path`) and read back by a later run, which then only loads the model to fingerprint it
+    (``"timings"`` empty, ``"cached"`` naming the record). The model is freed before returning.
     """
     from tqdm.auto import tqdm
 
+    from .. import hf
     from ..hf.budget import count_params
+    from ..hf.calibration import model_fingerprint
     from . import llm_compression as lc
     from .llm_summary import flatten
 
-    study = lc.prepare(protocol, target="fig_scale", progress=progress)
+    lc.check_reachable(protocol.model_name, "fig_scale")
+    loaded = hf.load_model(protocol.model_name)
     want_zs = {(m, a, round(float(r), 6)) for m, a, r in zero_shot}
+    path = model_record_path(protocol, methods, allocations, ratios, want_zs, model_fingerprint(loaded[0]))
+    kept = read_model_record(path)
+    if kept is not None:  # every case, the intensities and the sizes, as the run that finished them wrote them
+        del loaded
+        gc.collect()
+        return {**kept, "timings": {}, "cached": {"model record": 1}}
+    study = lc.prepare(protocol, target="fig_scale", progress=progress, loaded=loaded)
+    del loaded
 
     def kinds(method, allocation, ratio):
         return ("heldout", "windows") + (("zeroshot",) if (method, allocation, round(ratio, 6)) in want_zs else ())
@@ -139,7 +159,41 @@ def run_model(protocol, methods=SCALE_METHODS, allocations=SCALE_ALLOCATIONS, ra
            "first": lc.first_seconds(study.first), "cached": dict(study.cached)}
     del study
     gc.collect()
+    write_model_record(path, out)
     return out
+
+
+def model_record_path(protocol, methods, allocations, ratios, zero_shot: set, model_key: str) -> Path:
+    """Where :func:`run_model` keeps one model's finished result: named by the hash of everything it depends on
+    (the protocol, the cases, the dense model's fingerprint, the code of every score (:func:`~fisherkron.
+    experiments.llm_compression.code_tag`) and of this module), so a resumed study reads a model it finished
+    without calibrating it again or recomputing its split-half factors."""
+    from ..env import code_digest, data_root
+    from . import llm_compression as lc
+
+    cfg = {"version": MODEL_RECORD_VERSION, "protocol": dataclasses.asdict(protocol), "methods": list(methods),
+           "allocations": list(allocations), "ratios": [round(float(r), 6) for r in ratios],
+           "zero_shot": sorted(list(z) for z in zero_shot), "model": model_key, "code": lc.code_tag(),
+           "scale": code_digest([Path(__file__)])}
+    key = hashlib.blake2b(json.dumps(cfg, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+    return data_root() / "cache" / "studies" / "scale" / f"{protocol.model_name}-{key}.json"
+
+
+def read_model_record(path: Path) -> dict | None:
+    """The result :func:`write_model_record` kept at ``path``, or ``None`` (missing or unreadable: computed again)."""
+    try:
+        got = json.loads(Path(path).read_text()) if Path(path).is_file() else None
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) and "rows" in got else None
+
+
+def write_model_record(path: Path, result: dict) -> None:
+    """Keep one model's finished result at ``path`` (atomically)."""
+    from ..env import atomic_write
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda t: Path(t).write_text(json.dumps(result, default=float)))
 
 
 def best_case(rows: list[dict], model: str, method: str, target: float) -> dict | None:
