@@ -74,6 +74,16 @@ def test_runs_log_counts_every_run_interrupted_ones_up_to_their_last_sign_of_lif
     ledger.save(cache, book)
     costs = ledger.run_costs(book)
     assert costs["fig_b"] == {"runs": 2, "seconds": 3600.0, "finished": True}
+    # a lost run counts up to the largest of its counts (its log went quiet before an earlier save saw it alive)
+    quiet = ledger.run_started("fig_d", "default", cache=cache)
+    start = json.loads((cache / ledger.RUNS).read_text().splitlines()[-1])
+    with open(book / ledger.RUNS, "a") as f:
+        f.write(json.dumps(start) + "\n")
+        f.write(json.dumps({"event": "alive", "run": quiet, "seconds": 500.0, "t": start["t"] + 500}) + "\n")
+        f.write(json.dumps({"event": "lost", "run": quiet, "seconds": 300.0, "t": start["t"] + 300}) + "\n")
+    assert ledger.run_costs(book)["fig_d"]["seconds"] == 500.0
+    ledger.run_ended(quiet, True, 0.0, cache=cache)
+    ledger.save(cache, book)
     # with every run ended, merging again changes nothing
     before = (book / ledger.RUNS).read_text()
     assert ledger.RUNS not in ledger.save(cache, book)

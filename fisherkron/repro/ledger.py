@@ -22,7 +22,8 @@ copies cache files into the ledger where they are new or changed (a sweep that g
 appends a ``start`` and an ``end`` line to ``data/cache/runs.jsonl``; ``save`` merges them into the ledger's
 ``runs.jsonl``, closing each run that has no end: a run whose process is gone ends at the last write of its
 progress log (``lost``), one still running is counted up to the save (``alive``; a later save of the same
-machine counts it further; a machine that cannot see the run any more leaves its last count). :func:`run_costs` adds up, per notebook, the wall seconds of every run of it,
+machine counts it further; a machine that cannot see the run any more leaves its last count). A run's largest
+count stands: a progress log may go quiet well before its run is stopped. :func:`run_costs` adds up, per notebook, the wall seconds of every run of it,
 interrupted ones included: what a study that resumed from the ledger cost in all.
 
 Command line::
@@ -153,7 +154,8 @@ def _close(start: dict, now: float) -> dict | None:
         log = Path(start["progress"]) if start.get("progress") else None
         if not same_host or log is None or not log.is_file() or log.stat().st_mtime < start["t"]:
             return None
-        end, event = log.stat().st_mtime, "lost"
+        end, event = log.stat().st_mtime, "lost"  # a quiet stretch before the end is not seen: the alive counts
+        # of earlier saves bound it from below (run_costs takes the largest count)
     return {"event": event, "run": start["run"], "seconds": round(end - start["t"], 1), "t": end, "time": _utc(end)}
 
 
@@ -187,7 +189,9 @@ def run_costs(ledger: Path | None = None, profile: str = "default") -> dict[str,
     for e in events:
         if e.get("event") != "start":
             prev = last.get(e["run"])
-            if prev is None or prev.get("event") != "end":  # an end is final; else the latest closing counts
+            # an end is final; else the largest count (a lost run's log may have gone quiet before it ended)
+            if prev is None or e.get("event") == "end" or (
+                    prev.get("event") != "end" and float(e.get("seconds") or 0) > float(prev.get("seconds") or 0)):
                 last[e["run"]] = e
     out: dict[str, dict] = {}
     for e in events:
