@@ -44,6 +44,7 @@ import uuid
 from pathlib import Path
 
 from ..env import _pid_alive, atomic_write, data_root
+from .figures import _cpu_model
 
 __all__ = ["KEPT", "RUNS", "ledger_root", "kept_files", "save", "restore", "run_started", "run_ended", "run_costs",
            "main"]
@@ -120,7 +121,8 @@ def run_started(notebook: str, profile: str, progress: Path | None = None, cache
     now = time.time()
     _append(Path(cache or data_root() / "cache") / RUNS,
             {"event": "start", "run": run, "notebook": notebook, "profile": profile, "t": now, "time": _utc(now),
-             "host": socket.gethostname(), "pid": os.getpid(), "progress": str(progress) if progress else None})
+             "host": socket.gethostname(), "cpu": _cpu_model(), "cores": len(os.sched_getaffinity(0)),
+             "pid": os.getpid(), "progress": str(progress) if progress else None})
     return run
 
 
