@@ -183,7 +183,9 @@ if len(lam):
 # %% [markdown]
 # ## Zero-shot accuracy
 # The dense model and the calibrated cases named in the parameters at the largest ratio, on a fixed subset of
-# each task (the same examples for every row).
+# each task (the same examples for every row). Beside each compressed row: its gap to GFWSVD in the task
+# average, with the standard error of the paired differences over the shared examples (the rows answer most
+# questions alike, so this is far smaller than the two rows' own standard errors would make it).
 
 # %% tags=["hide-input"]
 zs_rows = []
@@ -192,12 +194,17 @@ for r in rows:
     if tasks:
         acc = np.mean([r[t] for t in tasks])
         se = math.sqrt(sum(r[f"{t}_se"] ** 2 for t in tasks)) / len(tasks)
+        ref = next((g for g in rows if g["model"] == r["model"] and g["method"] == "gfwsvd"
+                    and g["allocation"] == r["allocation"] and math.isclose(g["target"], r["target"])), None)
+        pg = ls.paired_gap(r, ref) if ref is not None and r["method"] != "gfwsvd" else None
         zs_rows.append({"model": r["model"], "method": r["method"], "allocation": r["allocation"],
                         "target": r["target"], "mean accuracy": acc, "se": se,
-                        "examples": int(sum(r[f"{t}_n"] for t in tasks))})
+                        "examples": int(sum(r[f"{t}_n"] for t in tasks)),
+                        "gap to GFWSVD (paired)": "" if pg is None else f"{pg['diff']:+.3f} ± {pg['se']:.3f}",
+                        "paired": pg})
 zs = pd.DataFrame(zs_rows)
 if len(zs):
-    display(Markdown(zs.to_markdown(index=False, floatfmt=".3f")))
+    display(Markdown(zs.drop(columns="paired").to_markdown(index=False, floatfmt=".3f")))
 
 # %% [markdown]
 # ## Verdicts (computed from the numbers above)
@@ -232,6 +239,14 @@ for t in ratios:
     taus = ", ".join(f"{k_} {v:.2f}" for k_, v in rk["kendall_tau"].items())
     lines.append(f"* Order by PTB at {100 * t:g} % (calibrated_kl, best first): {orders}"
                  + (f". Kendall's tau between models: {taus}." if taus else "."))
+told = [z for z in zs_rows if z["paired"] is not None]
+if told:
+    apart = [f"{z['method']} on {z['model']} ({z['paired']['diff']:+.3f} ± {z['paired']['se']:.3f})" for z in told
+             if z["paired"]["beyond"]]
+    lines.append(f"* Zero-shot ({zero_shot_limit} examples per task, the same for every row): {len(apart)} of "
+                 f"{len(told)} compressed rows differ from GFWSVD's by more than two paired standard errors"
+                 + (f": {', '.join(apart)}." if apart else "."))
+    verdict["zero_shot_apart"] = len(apart)
 sizes = sorted(size.values())
 if len(sizes) > 1:
     lines.append(f"* What these sizes can tell: block linears from {sizes[0] / 1e6:.0f}M to {sizes[-1] / 1e6:.0f}M "
