@@ -82,6 +82,9 @@ def test_runs_log_counts_every_run_interrupted_ones_up_to_their_last_sign_of_lif
         f.write(json.dumps({"event": "alive", "run": quiet, "seconds": 500.0, "t": start["t"] + 500}) + "\n")
         f.write(json.dumps({"event": "lost", "run": quiet, "seconds": 300.0, "t": start["t"] + 300}) + "\n")
     assert ledger.run_costs(book)["fig_d"]["seconds"] == 500.0
+    ledger.run_paused(quiet, 120.0, cache=cache)  # stopped two minutes for another measurement
+    ledger.save(cache, book)
+    assert ledger.run_costs(book)["fig_d"]["seconds"] == 380.0
     ledger.run_ended(quiet, True, 0.0, cache=cache)
     ledger.save(cache, book)
     # with every run ended, merging again changes nothing

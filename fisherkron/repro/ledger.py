@@ -23,7 +23,8 @@ appends a ``start`` and an ``end`` line to ``data/cache/runs.jsonl``; ``save`` m
 ``runs.jsonl``, closing each run that has no end: a run whose process is gone ends at the last write of its
 progress log (``lost``), one still running is counted up to the save (``alive``; a later save of the same
 machine counts it further; a machine that cannot see the run any more leaves its last count). A run's largest
-count stands: a progress log may go quiet well before its run is stopped. :func:`run_costs` adds up, per notebook, the wall seconds of every run of it,
+count stands: a progress log may go quiet well before its run is stopped. Time a run spent stopped
+(:func:`run_paused`) is left out. :func:`run_costs` adds up, per notebook, the wall seconds of every run of it,
 interrupted ones included: what a study that resumed from the ledger cost in all.
 
 Command line::
@@ -46,8 +47,8 @@ from pathlib import Path
 from ..env import _pid_alive, atomic_write, data_root
 from .figures import _cpu_model
 
-__all__ = ["KEPT", "RUNS", "ledger_root", "kept_files", "save", "restore", "run_started", "run_ended", "run_costs",
-           "main"]
+__all__ = ["KEPT", "RUNS", "ledger_root", "kept_files", "save", "restore", "run_started", "run_ended", "run_paused",
+           "run_costs", "main"]
 
 #: the cache files the ledger keeps: (folder under ``data/cache``, file pattern searched recursively)
 KEPT = (("studies", "*.json"), ("allocation", "sensitivity-*.json"))
@@ -134,6 +135,14 @@ def run_ended(run: str, ok: bool, seconds: float, cpu_seconds: float | None = No
              "time": _utc(now), "cpu_seconds": None if cpu_seconds is None else round(float(cpu_seconds), 1)})
 
 
+def run_paused(run: str, seconds: float, cache: Path | None = None) -> None:
+    """Log that run ``run`` was stopped (``SIGSTOP``) for ``seconds``, e.g. while the machine measured something
+    else: :func:`run_costs` leaves those seconds out."""
+    now = time.time()
+    _append(Path(cache or data_root() / "cache") / RUNS,
+            {"event": "paused", "run": run, "seconds": round(float(seconds), 1), "t": now, "time": _utc(now)})
+
+
 def _booted() -> float:
     """When this machine started (seconds since the epoch; 0 where ``/proc/stat`` does not tell)."""
     try:
@@ -188,8 +197,11 @@ def run_costs(ledger: Path | None = None, profile: str = "default") -> dict[str,
     runs, their wall seconds in all (an interrupted run up to its last sign of life), and whether one finished."""
     events = _read_runs(Path(ledger or ledger_root()) / RUNS)
     last: dict[str, dict] = {}
+    paused: dict[str, float] = {}
     for e in events:
-        if e.get("event") != "start":
+        if e.get("event") == "paused":
+            paused[e["run"]] = paused.get(e["run"], 0.0) + float(e.get("seconds") or 0.0)
+        elif e.get("event") != "start":
             prev = last.get(e["run"])
             # an end is final; else the largest count (a lost run's log may have gone quiet before it ended)
             if prev is None or e.get("event") == "end" or (
@@ -201,7 +213,7 @@ def run_costs(ledger: Path | None = None, profile: str = "default") -> dict[str,
             c = out.setdefault(e["notebook"], {"runs": 0, "seconds": 0.0, "finished": False})
             close = last.get(e["run"], {})
             c["runs"] += 1
-            c["seconds"] += float(close.get("seconds") or 0.0)
+            c["seconds"] += max(float(close.get("seconds") or 0.0) - paused.get(e["run"], 0.0), 0.0)
             c["finished"] |= bool(close.get("event") == "end" and close.get("ok"))
     return out
 
