@@ -1,6 +1,8 @@
 """The ledger keeps a long study's finished scores and sweeps, and gives them back only where the cache lacks them."""
 import json
 
+import pytest
+
 from fisherkron.repro import ledger
 
 
@@ -76,7 +78,10 @@ def test_runs_log_counts_every_run_interrupted_ones_up_to_their_last_sign_of_lif
     assert costs["fig_b"] == {"runs": 2, "seconds": 3600.0, "finished": True}
     # a lost run counts up to the largest of its counts (its log went quiet before an earlier save saw it alive)
     quiet = ledger.run_started("fig_d", "default", cache=cache)
-    start = json.loads((cache / ledger.RUNS).read_text().splitlines()[-1])
+    lines = (cache / ledger.RUNS).read_text().splitlines()
+    start = json.loads(lines[-1])
+    start["t"] -= 600  # it started ten minutes ago
+    (cache / ledger.RUNS).write_text("\n".join(lines[:-1] + [json.dumps(start)]) + "\n")
     with open(book / ledger.RUNS, "a") as f:
         f.write(json.dumps(start) + "\n")
         f.write(json.dumps({"event": "alive", "run": quiet, "seconds": 500.0, "t": start["t"] + 500}) + "\n")
@@ -111,3 +116,19 @@ def test_a_run_another_machine_counted_keeps_its_last_count(tmp_path, monkeypatc
     assert ledger.save(tmp_path / "new-cache", book) == []
     assert ledger.run_costs(book)["fig_c"]["seconds"] == counted
     assert run
+
+
+def test_a_pause_that_cannot_be_is_refused_and_not_logged(tmp_path):
+    from fisherkron.core.conventions import FisherkronError
+
+    cache = tmp_path / "cache"
+    run = ledger.run_started("fig_a", "default", cache=cache)
+    before = (cache / ledger.RUNS).read_text()
+    for seconds in (1.8e9, -1.0, float("nan"), "", None):  # an empty shell variable made `$((now - ))` a timestamp
+        with pytest.raises(FisherkronError, match="pause"):
+            ledger.run_paused(run, seconds, cache=cache)
+    with pytest.raises(FisherkronError, match="no start"):
+        ledger.run_paused("0123456789ab", 1.0, cache=cache)
+    assert (cache / ledger.RUNS).read_text() == before
+    ledger.run_paused(run, 0.0, cache=cache)  # a pause as long as the run so far is fine
+    assert '"paused"' in (cache / ledger.RUNS).read_text()

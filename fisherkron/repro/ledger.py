@@ -32,6 +32,7 @@ Command line::
     python -m fisherkron.repro.ledger save     # data/cache -> data/ledger
     python -m fisherkron.repro.ledger restore  # data/ledger -> data/cache
     python -m fisherkron.repro.ledger runs     # the wall time of every notebook's runs, in all
+    python -m fisherkron.repro.ledger paused RUN SECONDS  # run RUN was stopped (SIGSTOP) that long
 """
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 import uuid
 from pathlib import Path
 
+from ..core.conventions import FisherkronError
 from ..env import _pid_alive, atomic_write, data_root
 from .figures import _cpu_model
 
@@ -137,9 +140,24 @@ def run_ended(run: str, ok: bool, seconds: float, cpu_seconds: float | None = No
 
 def run_paused(run: str, seconds: float, cache: Path | None = None) -> None:
     """Log that run ``run`` was stopped (``SIGSTOP``) for ``seconds``, e.g. while the machine measured something
-    else: :func:`run_costs` leaves those seconds out."""
+    else: :func:`run_costs` leaves those seconds out.
+
+    Refused in one line, with nothing logged, for a run the log does not know or a pause that is negative, not a
+    number, or longer than the run has existed (a shell variable left empty makes ``now - start`` a timestamp)."""
     now = time.time()
-    _append(Path(cache or data_root() / "cache") / RUNS,
+    path = Path(cache or data_root() / "cache") / RUNS
+    start = next((e for e in _read_runs(path) if e.get("event") == "start" and e.get("run") == run), None)
+    if start is None:
+        raise FisherkronError(f"run {run!r} has no start in {path}; give the id `python -m fisherkron.repro.ledger "
+                              f"runs` or the log's last start names")
+    try:
+        seconds = float(seconds)
+    except (TypeError, ValueError):
+        raise FisherkronError(f"a pause is a number of seconds; got {seconds!r}") from None
+    if not 0.0 <= seconds <= now - float(start["t"]):
+        raise FisherkronError(f"a pause of {seconds!r} s does not fit run {run}, which started "
+                              f"{now - float(start['t']):.0f} s ago; give the seconds it was stopped")
+    _append(path,
             {"event": "paused", "run": run, "seconds": round(float(seconds), 1), "t": now, "time": _utc(now)})
 
 
@@ -232,8 +250,19 @@ def restore(cache: Path | None = None, ledger: Path | None = None) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fisherkron.repro.ledger", description=__doc__.split("\n")[0])
-    ap.add_argument("action", choices=("save", "restore", "runs"))
+    ap.add_argument("action", choices=("save", "restore", "runs", "paused"))
+    ap.add_argument("run", nargs="?", help="paused: the run's id (its start in data/cache/runs.jsonl)")
+    ap.add_argument("seconds", nargs="?", help="paused: how long it was stopped")
     args = ap.parse_args(argv)
+    if args.action == "paused":
+        if args.run is None or args.seconds is None:
+            ap.error("paused needs the run's id and the seconds it was stopped")
+        try:
+            run_paused(args.run, args.seconds)
+        except FisherkronError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.action == "runs":
         for name, c in sorted(run_costs().items()):
             print(f"{name}: {c['runs']} run(s), {c['seconds'] / 3600:.2f} h in all"
