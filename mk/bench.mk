@@ -47,3 +47,12 @@ LMEVAL_OUT := $(foreach e,csv md tex provenance.json,$(BENCH_DIR)/bench_lm_eval_
 bench-lm-eval: $(LMEVAL_OUT) ## seconds per lm-eval call on SmolLM2 (MMLU 5-shot, zero-shot suite), tasks loaded once vs on every call (about 15 min on 2 idle cores)
 $(LMEVAL_OUT) &: scripts/bench_lm_eval_tasks.py fisherkron/hf/evaluate.py fisherkron/hf/lm_eval_tasks.py | $(STAMP)
 	$(PY) scripts/bench_lm_eval_tasks.py --out $(BENCH_DIR)
+
+# Weighted SVDs read back from disk by the next notebook against computed (scripts/bench_decompositions.py).
+DECOMP_OUT := $(foreach e,csv md tex provenance.json,$(BENCH_DIR)/bench_decompositions.$e)
+
+.PHONY: bench-decompositions
+.PRECIOUS: $(DECOMP_OUT)
+bench-decompositions: $(DECOMP_OUT) ## every SmolLM2 layer's weighted SVD computed vs read from disk (GFWSVD, SVD-LLM, FWSVD; about 5 min on 2 idle cores once the calibration is cached)
+$(DECOMP_OUT) &: scripts/bench_decompositions.py fisherkron/hf/decompositions.py $(CORE_SRC) | $(STAMP)
+	$(PY) scripts/bench_decompositions.py --out $(BENCH_DIR)

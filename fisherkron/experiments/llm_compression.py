@@ -417,12 +417,14 @@ class Study:
         return {"tol": self.protocol.mff_tol}
 
     def decompositions_of(self, method: str):
-        """The weighted SVDs of ``method``, shared by its cases; those of another method are dropped."""
+        """The weighted SVDs of ``method``, shared by its cases; those of another method are dropped from memory.
+        They are also kept on disk (``data/cache/decompositions/``, bounded: :mod:`fisherkron.hf.decompositions`), so
+        the next notebook on this model and calibration reads them instead of factorising again."""
         from ..hf.allocation import Decompositions
 
         if method not in self.decompositions:
             self.decompositions.clear()
-            self.decompositions[method] = Decompositions()
+            self.decompositions[method] = Decompositions(data_root() / "cache" / "decompositions")
         return self.decompositions[method]
 
     # -- keys and the cache

@@ -63,10 +63,11 @@ from ..core.conventions import FisherkronError
 from ..core.methods import method as method_row
 from ..core.regularization import MIN_ALPHA
 from .budget import check_ratio, count_params, plan_ranks
-from .calibration import CalibrationStats, layer_fingerprint
+from .calibration import CalibrationStats
+from .decompositions import Decompositions
 from .sensitivity import (CODE_VERSION, METRICS, SENSITIVITY_RATIOS, OutputKL, PrefixReplay, block_index,
-                          decompose_layer, kronecker_factors, layer_statistics, loss_with_factors, mean_loss,
-                          options_key, sensitivity_sweep, sweep_key)
+                          kronecker_factors, layer_statistics, loss_with_factors, mean_loss, sensitivity_sweep,
+                          sweep_key)
 
 __all__ = ["STRATEGIES", "OPTIONS", "Allocation", "allocate", "check_options", "layer_statistics", "Decompositions",
            "fisher_curves", "lems_costs", "sensitivity_sweep", "sweep_key", "mean_loss", "loss_with_factors",
@@ -247,59 +248,6 @@ class Allocation:
         d = asdict(self)
         d["ratio"] = self.ratio
         return d
-
-
-class Decompositions:
-    """Each layer's full weighted SVD by a method, computed once and sliced for every rank asked.
-
-    :func:`fisher_curves`, :func:`sensitivity_sweep`, :func:`allocate` and
-    :func:`fisherkron.compress` take one as ``decompositions=``: a study that compresses a model
-    at several ratios and allocations then runs one SVD per (method, layer) instead of one per
-    case. An entry is keyed by the method, the layer's name, weight fingerprint, dtype and
-    device, the calibration key and every option that changes the weights (regularisation,
-    ``mff_options``, described by content), so a changed weight or statistic is recomputed,
-    never served stale. In memory only (float64: about ``8 (n + m) min(n, m)`` bytes a
-    layer); :meth:`clear` frees it.
-    """
-
-    def __init__(self):
-        self._store: dict[tuple, tuple] = {}
-        self.hits = self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._store)
-
-    def clear(self) -> None:
-        self._store.clear()
-
-    def get(self, module: nn.Linear, method: str, stats: CalibrationStats | None, name: str, *,
-            mff_options: dict | None = None, alpha: float | None = None, min_alpha: float = MIN_ALPHA,
-            regularization: str = "diag", asvd_alpha: float = 0.5, device=None, info: dict | None = None):
-        """The :class:`~fisherkron.core.wsvd.Decomposition` of ``module`` by ``method``, and the statistics read.
-
-        Returns ``(decomposition, given)`` where ``given`` are the statistics
-        (:func:`layer_statistics`); ``info`` receives MFF's diagnostics for the GFWSVD family.
-        """
-        W = module.weight
-        key = (method, name, layer_fingerprint(module), str(W.dtype), str(W.device),
-               stats.key if stats is not None else None,
-               options_key(alpha=alpha, min_alpha=min_alpha, regularization=regularization,
-                           asvd_alpha=asvd_alpha if method == "asvd" else None, mff_options=mff_options or {}))
-        hit = self._store.get(key)
-        if hit is not None:
-            self.hits += 1
-            if info is not None:
-                info.update(hit[2])
-            return hit[0], hit[1]
-        self.misses += 1
-        mff_info: dict = {}
-        dec, given = decompose_layer(module, method, stats, name, mff_options=mff_options, alpha=alpha,
-                                     min_alpha=min_alpha, regularization=regularization, asvd_alpha=asvd_alpha,
-                                     device=device, info=mff_info)
-        self._store[key] = (dec, given, mff_info)
-        if info is not None:
-            info.update(mff_info)
-        return dec, given
 
 
 def _decomposition(cache: Decompositions | None, module, method, stats, name, **kwargs):

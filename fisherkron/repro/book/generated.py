@@ -21,13 +21,15 @@ from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_t
                       make_all_time, notebook_time, num, other_cpu, table, verify_records)
 from .sources import pages
 
-__all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "write_generated"]
+__all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "bench_decompositions",
+           "write_generated"]
 
 #: the folder, inside the book's source folder, that the pages include from
 FOLDER = "_generated"
 _BENCH = "bench/bench_mff"
 _BENCH_FIGURE = "fig_bench_mff.png"
 _RECIPE = "bench/bench_recipe"
+_DECOMPOSITIONS = "bench/bench_decompositions"
 
 
 def _page(name: str, root: Path) -> str:
@@ -96,19 +98,29 @@ def bench(out: Outputs, root: Path) -> str:
                         bench_targets(out)]) + "\n"
 
 
+def _bench_run(out: Outputs, stem: str, target: str) -> str:
+    """A committed benchmark table (``figures/<stem>``) and the machine that measured it (or that it has not run)."""
+    if not (out.folder / f"{stem}.provenance.json").is_file():
+        return f"`make {target}` has not been run on this checkout yet.\n"
+    rec = out.record(stem)
+    where = (f"The committed run: `make {target}` on a {machine_name(rec['machine'])}, finished "
+             f"{str(rec.get('created_utc', ''))[:10] or 'on a date not recorded'}. A wall time is an upper bound where "
+             "other processes took a share of the cores (the column \"other load\" or the last one).")
+    return where + "\n\n" + out.markdown(stem).rstrip() + "\n"
+
+
 def bench_recipe(out: Outputs, root: Path) -> str:
     """The committed ``make bench-recipe`` table and the machine that measured it (or that it has not run)."""
-    if not (out.folder / f"{_RECIPE}.provenance.json").is_file():
-        return "`make bench-recipe` has not been run on this checkout yet.\n"
-    rec = out.record(_RECIPE)
-    where = (f"The committed run: `make bench-recipe` on a {machine_name(rec['machine'])}, finished "
-             f"{str(rec.get('created_utc', ''))[:10] or 'on a date not recorded'}. A wall time is an upper bound where "
-             "other processes took a share of the cores (the last column).")
-    return where + "\n\n" + out.markdown(_RECIPE).rstrip() + "\n"
+    return _bench_run(out, _RECIPE, "bench-recipe")
+
+
+def bench_decompositions(out: Outputs, root: Path) -> str:
+    """The committed ``make bench-decompositions`` table and the machine that measured it."""
+    return _bench_run(out, _DECOMPOSITIONS, "bench-decompositions")
 
 
 _PAGES = {"verify_record": verify_table, "notebook_costs": notebook_costs, "bench": bench,
-          "bench_recipe": bench_recipe}
+          "bench_recipe": bench_recipe, "bench_decompositions": bench_decompositions}
 
 
 def write_generated(out_dir: Path, root: Path = REPO_ROOT) -> list[Path]:
