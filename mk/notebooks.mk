@@ -131,3 +131,14 @@ ledger-save: | $(STAMP) ## copy finished study scores and sweeps from data/cache
 	$(PY) -m fisherkron.repro.ledger save
 ledger-restore: | $(STAMP) ## copy data/ledger into data/cache where missing (resume a long study on a new machine)
 	$(PY) -m fisherkron.repro.ledger restore
+
+# A cold `make all` (fisherkron/repro/cold.py): every notebook of the default profile, by name, from empty caches in
+# build/cold/data (the embedded models linked), outputs into figures/ as `make all`; a finished notebook is skipped
+# by the next call, an interrupted one resumes from its caches. fig_scale keeps its own budget and is not in it.
+.PHONY: cold-run cold-status cold-save
+cold-run: | $(STAMP) ## every notebook from empty caches (build/cold/data), by name, resumable; hours: `make cold-status` adds up its runs
+	$(PY) -m fisherkron.repro.cold run $(if $(NB),--nb $(NB))
+cold-status: | $(STAMP) ## which notebooks of the cold run finished, and their wall time over all their runs (saves first, as cold-save)
+	$(PY) -m fisherkron.repro.cold status
+cold-save: | $(STAMP) ## the cold run's finished scores, sweeps and runs log into data/ledger/cold (to commit)
+	$(PY) -m fisherkron.repro.cold save
