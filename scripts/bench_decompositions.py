@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from fisherkron.hf.decompositions import Decompositions
     from fisherkron.repro.figures import save_table
 
-    started = time.time()
+    started = time.perf_counter()
     params = yaml.safe_load(Path("notebooks/params/fig_scale.default.yaml").read_text())
     study = lc.prepare(lc.Protocol.from_params({**params, "model_name": "smollm2"}), target="bench-decompositions",
                        progress=False)

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from fisherkron.hf.lm_eval_tasks import ZERO_SHOT_TASKS
     from fisherkron.repro.figures import save_table
 
-    started = time.time()
+    started = time.perf_counter()
     model, tok = fk.load_model("smollm2")
     suites = {"MMLU, 5-shot, 1 question per subject": (["mmlu"], 5, 1),
               f"zero-shot, {args.zero_shot_limit} per task": (list(ZERO_SHOT_TASKS), 0, args.zero_shot_limit)}

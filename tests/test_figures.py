@@ -114,3 +114,14 @@ def test_dirty_means_changed_sources_not_the_runs_own_outputs(tmp_path):
     assert git_commit(tmp_path)["dirty"] is False
     (tmp_path / "code.py").write_text("1\n")
     assert git_commit(tmp_path)["dirty"] is True
+
+
+def test_a_start_that_is_not_a_perf_counter_reading_is_refused():
+    import time
+
+    from fisherkron.core.conventions import FisherkronError
+    from fisherkron.repro.figures import provenance
+
+    with pytest.raises(FisherkronError, match="perf_counter"):
+        provenance("x", started=time.time())  # seconds since 1970: a negative wall time
+    assert 0.0 <= provenance("x", started=time.perf_counter())["wall_seconds"] < 60

@@ -161,12 +161,16 @@ def provenance(name: str, params: Mapping[str, Any] | None = None, *, files: lis
     The record's ``phases`` are the seconds this process has spent so far in each of the library's
     timed phases (:func:`fisherkron.core.phases.seconds`: calibration, MFF, sweeps, scoring, ...).
     """
+    wall = time.perf_counter() - (_T0 if started is None else started)
+    if not 0.0 <= wall < 1e8:  # a time.time() (seconds since 1970) is not a perf_counter() reading
+        raise FisherkronError(f"provenance of {name}: started={started!r} is not a time.perf_counter() reading "
+                              f"of this process (the wall time would be {wall:.0f} s); pass time.perf_counter()")
     rec: dict[str, Any] = {
         "name": name,
         "notebook": notebook,
         "files": files or [],
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "wall_seconds": round(time.perf_counter() - (_T0 if started is None else started), 3),
+        "wall_seconds": round(wall, 3),
         "git": git_commit(),
         "parameters": _jsonable(dict(params or {})),
         "machine": machine_info(),
