@@ -84,3 +84,23 @@ def test_the_recipe_benchmark_is_its_committed_table_or_says_it_has_not_run(tmp_
     rows = _rows(text)[1:]  # below the table's header
     assert len(rows) == 2 and "68.59" in rows[0] and "963.3" in rows[1]
     assert "/work/" not in text and str(tmp_path) not in text
+
+
+def test_the_cold_run_is_its_committed_runs_log_or_says_it_has_not_started(tmp_path):
+    from fisherkron.repro import cold, ledger
+    from fisherkron.repro.book.generated import cold_run
+
+    out = Outputs(tmp_path / "figures")
+    assert "has not started" in cold_run(out, tmp_path)
+    cache, book = tmp_path / "cache", tmp_path / "data" / "ledger" / "cold"
+    first, second = cold.ORDER[:2]
+    for name, seconds in ((first, 1800.0), (second, 5400.0)):
+        ledger.run_ended(ledger.run_started(name, "default", cache=cache), True, seconds, cache=cache)
+    ledger.run_ended(ledger.run_started(cold.ORDER[2], "default", cache=cache), False, 720.0, cache=cache)
+    ledger.save(cache, book)
+    text = cold_run(out, tmp_path)
+    rows = _rows(text)
+    assert len(rows) == len(cold.ORDER)
+    assert "| yes | 1 | 0.50 |" in rows[0] and "| yes | 1 | 1.50 |" in rows[1] and "| no | 1 | 0.20 |" in rows[2]
+    assert "In all: 2.20 h" in text and "2 of 13 notebooks finished" in text and "-core" in text
+    assert str(tmp_path) not in text

@@ -51,6 +51,7 @@ from ..env import _pid_alive, atomic_write, data_root
 from .figures import _cpu_model
 
 __all__ = ["KEPT", "RUNS", "ledger_root", "kept_files", "save", "restore", "run_started", "run_ended", "run_paused",
+           "run_machines",
            "run_costs", "main"]
 
 #: the cache files the ledger keeps: (folder under ``data/cache``, file pattern searched recursively)
@@ -234,6 +235,13 @@ def run_costs(ledger: Path | None = None, profile: str = "default") -> dict[str,
             c["seconds"] += max(float(close.get("seconds") or 0.0) - paused.get(e["run"], 0.0), 0.0)
             c["finished"] |= bool(close.get("event") == "end" and close.get("ok"))
     return out
+
+
+def run_machines(ledger: Path | None = None, profile: str = "default") -> list[str]:
+    """The machines (``"<cores>-core <CPU model>"``) that the runs at ``profile`` in the ledger's log started on."""
+    return sorted({f"{e.get('cores', '?')}-core {e.get('cpu') or 'unknown CPU'}"
+                   for e in _read_runs(Path(ledger or ledger_root()) / RUNS)
+                   if e.get("event") == "start" and e.get("profile") == profile})
 
 
 def restore(cache: Path | None = None, ledger: Path | None = None) -> list[str]:

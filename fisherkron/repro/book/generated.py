@@ -9,7 +9,10 @@ committed files only (:mod:`.records` reads and formats them):
 * ``bench.md``: the ``make bench`` machine, table, whole-MiniLM run and speed targets
   (``figures/bench/``), with its figure copied beside it;
 * ``bench_recipe.md``: the ``make bench-recipe`` table (the recommended recipe against the old
-  default, as ``fisherkron compress`` runs them) with the machine that measured it.
+  default, as ``fisherkron compress`` runs them) with the machine that measured it;
+* ``bench_decompositions.md``: the ``make bench-decompositions`` table;
+* ``cold_run.md``: the cold run's notebooks, their runs and wall time over all of them, from its committed
+  runs log (``data/ledger/cold/``, :mod:`fisherkron.repro.cold`).
 """
 from __future__ import annotations
 
@@ -17,11 +20,12 @@ import shutil
 from pathlib import Path
 
 from ...env import REPO_ROOT, atomic_write
+from .. import cold, ledger
 from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_targets, changed_since, machine_name,
                       make_all_time, notebook_time, num, other_cpu, table, verify_records)
 from .sources import pages
 
-__all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "bench_decompositions",
+__all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "bench_decompositions", "cold_run",
            "write_generated"]
 
 #: the folder, inside the book's source folder, that the pages include from
@@ -119,8 +123,27 @@ def bench_decompositions(out: Outputs, root: Path) -> str:
     return _bench_run(out, _DECOMPOSITIONS, "bench-decompositions")
 
 
+def cold_run(out: Outputs, root: Path) -> str:
+    """Each notebook of the cold run: finished or not, its runs and their wall time in all, the machines, the total."""
+    book = root / "data" / "ledger" / "cold"
+    costs = ledger.run_costs(book)
+    if not costs:
+        return "The cold run has not started on this checkout (`make cold-run`).\n"
+    machines = ledger.run_machines(book)
+    rows, total = [], 0.0
+    for name in cold.ORDER:
+        c = costs.get(name, {"runs": 0, "seconds": 0.0, "finished": False})
+        total += c["seconds"]
+        rows.append([_page(name, root), "yes" if c["finished"] else "no", num(c["runs"]),
+                     num(c["seconds"] / 3600, 2) if c["runs"] else ""])
+    done = sum(costs.get(n, {}).get("finished", False) for n in cold.ORDER)
+    return (table(["notebook", "finished", "runs", "hours"], rows)
+            + f"\n\nIn all: {num(total / 3600, 2)} h of wall time, {done} of {len(cold.ORDER)} notebooks finished, "
+            f"on {' and '.join(machines)} (pauses for other measurements left out).\n")
+
+
 _PAGES = {"verify_record": verify_table, "notebook_costs": notebook_costs, "bench": bench,
-          "bench_recipe": bench_recipe, "bench_decompositions": bench_decompositions}
+          "bench_recipe": bench_recipe, "bench_decompositions": bench_decompositions, "cold_run": cold_run}
 
 
 def write_generated(out_dir: Path, root: Path = REPO_ROOT) -> list[Path]:
