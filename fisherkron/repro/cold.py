@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -105,7 +106,9 @@ def run(notebooks=ORDER, data=None, make: str = "make", dry_run: bool = False) -
     env.pop("FISHERKRON_MODELS", None)
     for name in todo:
         cmd = [make, "-W", f"notebooks/{name}.py", name]
-        print(f"[cold] {name}: {' '.join(cmd)} (FISHERKRON_DATA={os.path.relpath(root, REPO_ROOT)})", flush=True)
+        free = shutil.disk_usage(root).free / 1e9
+        print(f"[cold] {name}: {' '.join(cmd)} (FISHERKRON_DATA={os.path.relpath(root, REPO_ROOT)}, "
+              f"{free:.0f} GB free there)", flush=True)
         if dry_run:
             continue
         t = time.time()
