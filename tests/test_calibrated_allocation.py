@@ -415,3 +415,13 @@ def test_the_cli_compresses_with_a_calibrated_or_lems_allocation(extra, llama_fo
     assert code == 0, out.err
     summary = json.loads(out.out)
     assert summary["allocation"] == extra[1] and summary["ratio"] >= 0.2
+
+
+def test_output_kl_at_temperature_one_skips_the_division_and_changes_no_bit(calibrated, monkeypatch):
+    base, st = calibrated
+    name = list(st.layers)[-1]
+    held = _batches(k=2, seed=7)
+    f = fk.svd(base.get_submodule(name).weight.detach(), 2)
+    fast = loss_with_factors(base, name, f, held, OutputKL(base, held))
+    monkeypatch.setattr(OutputKL, "_scaled", lambda self, z: z.double() / self.temperature)  # the division kept
+    assert loss_with_factors(base, name, f, held, OutputKL(base, held)) == fast > 0

@@ -395,9 +395,14 @@ class OutputKL:
         self._dense = {}
         for b in self.batches:
             z = self._logits(model, b)  # (N, V): N = B T outputs (B for a classifier)
-            logp = F.log_softmax(z.double() / self.temperature, dim=-1)
+            logp = F.log_softmax(self._scaled(z), dim=-1)
             p = logp.exp()
             self._dense[id(b)] = (p, (p * logp).sum(-1))  # (N, V), (N,)
+
+    def _scaled(self, z: torch.Tensor) -> torch.Tensor:
+        """``z / T`` in float64; at ``T = 1`` no division (the same values, one pass over the outputs fewer)."""
+        y = z.double()
+        return y if self.temperature == 1.0 else y / self.temperature
 
     @staticmethod
     def _logits(model: nn.Module, batch) -> torch.Tensor:
@@ -415,7 +420,7 @@ class OutputKL:
         z = self._logits(model, batch)  # (N, V) in the model's dtype
         kl = torch.empty_like(negent)  # (N,)
         for s in range(0, z.shape[0], self.CHUNK):  # float64 a chunk of outputs at a time: a vocabulary is large
-            y = z[s:s + self.CHUNK].double() / self.temperature
+            y = self._scaled(z[s:s + self.CHUNK])
             kl[s:s + self.CHUNK] = negent[s:s + self.CHUNK] - (p[s:s + self.CHUNK] * y).sum(-1) + y.logsumexp(-1)
         mask = batch.get("attention_mask")
         if mask is None or mask.numel() != kl.numel():  # a classifier: one output per sequence
