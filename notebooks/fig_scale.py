@@ -226,6 +226,23 @@ for t in ratios:
                  f"{tr['smallest']} and {tr['gap_largest']:+.3f} on {tr['largest']} (change {tr['change']:+.3f} ± "
                  f"{tr['se']:.3f}; slope {tr['slope_per_decade']:+.3f} per decade of block-linear parameters): it "
                  f"{how} with size.")
+# the same trend at a matched cut: per model the target whose share of block linears removed is nearest the first
+# model's share at the largest target (kept only within a quarter of it)
+cut = df[df["method"] != "dense"].groupby(["model", "target"])["layers_ratio"].median()
+ref = cut.get((models[0], max(ratios)))
+matched = []
+for g in gaps:
+    near = min(ratios, key=lambda t: abs(cut.get((g["model"], t), math.inf) - ref)) if ref is not None else None
+    if near is not None and math.isclose(g["target"], near) and abs(cut[(g["model"], near)] - ref) <= 0.25 * ref:
+        matched.append({**g, "target": -1.0, "chosen": near})
+tr = sc.trend(matched, -1.0)
+verdict["trend_matched_cut"] = {**tr, "reference_share": None if ref is None else float(ref)}
+if tr.get("models", 0) >= 2:
+    how = ("shrinks" if tr["shrinks"] else "grows" if tr["grows"] else "does not change beyond two standard errors")
+    picks = ", ".join(f"{g['model']} at {100 * g['chosen']:g} % of the model" for g in matched)
+    lines.append(f"* At a matched cut (about {100 * ref:.0f} % of the block linears removed: {picks}), GFWSVD's gap is "
+                 f"{tr['gap_smallest']:+.3f} on {tr['smallest']} and {tr['gap_largest']:+.3f} on {tr['largest']} "
+                 f"(change {tr['change']:+.3f} ± {tr['se']:.3f}): it {how} with size.")
 eff = sc.shrinkage_effect(results, ratios)
 verdict["shrinkage"] = eff
 for e in eff:
