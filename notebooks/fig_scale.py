@@ -73,6 +73,7 @@ methods = ["fwsvd", "asvd", "svd_llm", "kfac_svd", "gfwsvd", "gfwsvd_shrunk"]  #
 allocations = ["fisher", "calibrated_kl"]  # paper: same
 zero_shot_methods = ["svd_llm", "kfac_svd", "gfwsvd", "gfwsvd_shrunk"]  # at the largest ratio, calibrated_kl
 zero_shot_limit = 100  # examples per zero-shot task (0: no zero-shot scores, None: all); paper: None
+match_cut = True  # a model none of whose ratios cuts the first model's share of block linears gets one that does
 
 # %% tags=["hide-input"]
 import math
@@ -96,7 +97,7 @@ NB = "notebooks/fig_scale.py"
 params = {k_: v for k_, v in dict(globals()).items()
           if k_ in ("profile", "models", "calib_docs", "k", "batch_size", "seq_len", "seed", "sweep_docs", "heldout_k",
                     "select_k", "layers", "eval_tokens", "eval_seq_len", "mff_tol", "ratios", "methods", "allocations",
-                    "zero_shot_methods", "zero_shot_limit")}
+                    "zero_shot_methods", "zero_shot_limit", "match_cut")}
 zs_cases = ([("dense", "dense", 0.0)] + [(m, "calibrated_kl", max(ratios)) for m in zero_shot_methods]
             if zero_shot_limit != 0 else [])
 
@@ -110,6 +111,21 @@ results = []
 for name in models:
     proto = lc.Protocol.from_params({**params, "model_name": name})
     results.append(sc.run_model(proto, methods, allocations, ratios, zero_shot=zs_cases))
+# A matched cut: every removed parameter comes from the block linears, so a whole-model ratio t removes
+# t x params / block_params of them. A model none of whose ratios is within a quarter of the first model's share at
+# the largest ratio gets the ratio that matches it (its cases kept apart, no zero-shot scores).
+ref_cut = max(ratios) * results[0]["params"] / results[0]["block_params"]
+for res in results[1:] if match_cut else []:
+    per = res["params"] / res["block_params"]
+    if all(abs(t * per - ref_cut) > 0.25 * ref_cut for t in ratios):
+        extra = round(ref_cut / per, 4)
+        more = sc.run_model(lc.Protocol.from_params({**params, "model_name": res["model"]}), methods, allocations,
+                            (extra,))
+        res["rows"] = res["rows"] + [r for r in more["rows"] if r["method"] != "dense"]
+        res["matched_target"] = extra
+        for part in ("timings", "first"):
+            for k_, v in more[part].items():
+                res[part][k_] = res[part].get(k_, 0.0) + v
 rows = [r for res in results for r in res["rows"]]
 df = pd.DataFrame([{k_: v for k_, v in r.items() if k_ != "windows"} for r in rows])
 size = {res["model"]: res["block_params"] for res in results}
@@ -226,17 +242,24 @@ for t in ratios:
                  f"{tr['smallest']} and {tr['gap_largest']:+.3f} on {tr['largest']} (change {tr['change']:+.3f} ± "
                  f"{tr['se']:.3f}; slope {tr['slope_per_decade']:+.3f} per decade of block-linear parameters): it "
                  f"{how} with size.")
-# the same trend at a matched cut: per model the target whose share of block linears removed is nearest the first
-# model's share at the largest target (kept only within a quarter of it)
+# the same trend at a matched cut: per model its target whose share of block linears removed is nearest the first
+# model's at the largest ratio (kept only within a quarter of it)
 cut = df[df["method"] != "dense"].groupby(["model", "target"])["layers_ratio"].median()
+own = {m: sorted(t for (m_, t) in cut.index if m_ == m) for m in models}
+gaps_all = sc.gap_rows(results, sorted({t for ts in own.values() for t in ts}))
 ref = cut.get((models[0], max(ratios)))
 matched = []
-for g in gaps:
-    near = min(ratios, key=lambda t: abs(cut.get((g["model"], t), math.inf) - ref)) if ref is not None else None
-    if near is not None and math.isclose(g["target"], near) and abs(cut[(g["model"], near)] - ref) <= 0.25 * ref:
-        matched.append({**g, "target": -1.0, "chosen": near})
+for m in models:
+    near = min(own[m], key=lambda t: abs(cut[(m, t)] - ref)) if ref is not None and own[m] else None
+    if near is not None and abs(cut[(m, near)] - ref) <= 0.25 * ref:
+        matched += [{**g, "target": -1.0, "chosen": near} for g in gaps_all
+                    if g["model"] == m and math.isclose(g["target"], near) and "gap" in g]
 tr = sc.trend(matched, -1.0)
-verdict["trend_matched_cut"] = {**tr, "reference_share": None if ref is None else float(ref)}
+unmatched = [m for m in models if own[m] and m not in {g["model"] for g in matched}]
+verdict["trend_matched_cut"] = {**tr, "reference_share": None if ref is None else float(ref), "unmatched": unmatched}
+if unmatched:
+    lines.append(f"* No target of {', '.join(unmatched)} removes about {100 * ref:.0f} % of its block linears (the "
+                 "matched cut below" + ("" if match_cut else "; `match_cut` adds one") + ").")
 if tr.get("models", 0) >= 2:
     how = ("shrinks" if tr["shrinks"] else "grows" if tr["grows"] else "does not change beyond two standard errors")
     picks = ", ".join(f"{g['model']} at {100 * g['chosen']:g} % of the model" for g in matched)
