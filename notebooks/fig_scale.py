@@ -33,7 +33,9 @@
 # for the one-point measurements, held-out selection batches, perplexity on the first 4,096 tokens of PTB test and
 # of a Wikipedia text in 512-token windows. Each method runs with Theorem 1's free curves (`fisher`) and with the
 # curves calibrated by one KL point per layer (`calibrated_kl`), at 10 % and 20 % of the whole model's parameters
-# removed; where one allocation is needed, each method takes the one of lower held-out selection loss.
+# removed; where one allocation is needed, each method takes the one of lower held-out selection loss. The share of
+# a model's block linears that a whole-model target removes grows with the share its embeddings hold (the table's
+# "block linears removed"; Gemma's 262k-token embeddings are most of its parameters).
 #
 # **Shrunk GFWSVD** (`gfwsvd_shrunk`, not in the paper): MFF's `A`, `B` replaced by
 # `(1 - lambda) A + lambda diag(A)`, with `lambda` for each factor of each layer estimated from the gradients
@@ -71,6 +73,7 @@ methods = ["fwsvd", "asvd", "svd_llm", "kfac_svd", "gfwsvd", "gfwsvd_shrunk"]  #
 allocations = ["fisher", "calibrated_kl"]  # paper: same
 zero_shot_methods = ["svd_llm", "kfac_svd", "gfwsvd", "gfwsvd_shrunk"]  # at the largest ratio, calibrated_kl
 zero_shot_limit = 100  # examples per zero-shot task (0: no zero-shot scores, None: all); paper: None
+match_cut = True  # a model none of whose ratios cuts the first model's share of block linears gets one that does
 
 # %% tags=["hide-input"]
 import math
@@ -94,7 +97,7 @@ NB = "notebooks/fig_scale.py"
 params = {k_: v for k_, v in dict(globals()).items()
           if k_ in ("profile", "models", "calib_docs", "k", "batch_size", "seq_len", "seed", "sweep_docs", "heldout_k",
                     "select_k", "layers", "eval_tokens", "eval_seq_len", "mff_tol", "ratios", "methods", "allocations",
-                    "zero_shot_methods", "zero_shot_limit")}
+                    "zero_shot_methods", "zero_shot_limit", "match_cut")}
 zs_cases = ([("dense", "dense", 0.0)] + [(m, "calibrated_kl", max(ratios)) for m in zero_shot_methods]
             if zero_shot_limit != 0 else [])
 
@@ -108,6 +111,21 @@ results = []
 for name in models:
     proto = lc.Protocol.from_params({**params, "model_name": name})
     results.append(sc.run_model(proto, methods, allocations, ratios, zero_shot=zs_cases))
+# A matched cut: every removed parameter comes from the block linears, so a whole-model ratio t removes
+# t x params / block_params of them. A model none of whose ratios is within a quarter of the first model's share at
+# the largest ratio gets the ratio that matches it (its cases kept apart, no zero-shot scores).
+ref_cut = max(ratios) * results[0]["params"] / results[0]["block_params"]
+for res in results[1:] if match_cut else []:
+    per = res["params"] / res["block_params"]
+    if all(abs(t * per - ref_cut) > 0.25 * ref_cut for t in ratios):
+        extra = round(ref_cut / per, 4)
+        more = sc.run_model(lc.Protocol.from_params({**params, "model_name": res["model"]}), methods, allocations,
+                            (extra,))
+        res["rows"] = res["rows"] + [r for r in more["rows"] if r["method"] != "dense"]
+        res["matched_target"] = extra
+        for part in ("timings", "first"):
+            for k_, v in more[part].items():
+                res[part][k_] = res[part].get(k_, 0.0) + v
 rows = [r for res in results for r in res["rows"]]
 df = pd.DataFrame([{k_: v for k_, v in r.items() if k_ != "windows"} for r in rows])
 size = {res["model"]: res["block_params"] for res in results}
@@ -115,15 +133,17 @@ dense = {res["model"]: res["dense"] for res in results}
 df["block linears (M)"] = df["model"].map(size) / 1e6
 df["PTB / dense"] = df["ppl_ptb"] / df["model"].map({m: d["ppl_ptb"] for m, d in dense.items()})
 df["Wikipedia / dense"] = df["ppl_wiki"] / df["model"].map({m: d["ppl_wiki"] for m, d in dense.items()})
-cols = ["model", "block linears (M)", "method", "allocation", "target", "ratio", "ppl_wiki", "ppl_ptb",
-        "Wikipedia / dense", "PTB / dense", "loss"]
-table = df[cols].rename(columns={"target": "target ratio", "ratio": "measured ratio", "ppl_wiki": "Wikipedia ppl",
+cols = ["model", "block linears (M)", "method", "allocation", "target", "ratio", "layers_ratio", "ppl_wiki",
+        "ppl_ptb", "Wikipedia / dense", "PTB / dense", "loss"]
+table = df[cols].rename(columns={"target": "target ratio", "ratio": "measured ratio",
+                                 "layers_ratio": "block linears removed", "ppl_wiki": "Wikipedia ppl",
                                  "ppl_ptb": "PTB ppl", "loss": "held-out loss"})
 caption = (f"Every case of the scale study: {', '.join(models)}; k = {k} calibration batches of {batch_size} x "
            f"{seq_len} C4 tokens; perplexity on the first {eval_tokens:,} tokens of a Wikipedia text and of PTB test "
            f"in {eval_seq_len}-token windows; held-out loss on {select_k} selection batches.")
 tolerances = {"model": "exact", "block linears (M)": "exact", "method": "exact", "allocation": "exact",
-              "target ratio": "exact", "measured ratio": "rel=1e-3", "Wikipedia ppl": "rel=0.05", "PTB ppl": "rel=0.05",
+              "target ratio": "exact", "measured ratio": "rel=1e-3", "block linears removed": "rel=1e-3",
+              "Wikipedia ppl": "rel=0.05", "PTB ppl": "rel=0.05",
               "Wikipedia / dense": "rel=0.05", "PTB / dense": "rel=0.05", "held-out loss": "abs=0.02"}
 figures.save_table(table, "tab_scale", output_dir, params, caption=caption, label="tab:scale", notebook=NB,
                    started=started, tolerances=tolerances)
@@ -222,6 +242,30 @@ for t in ratios:
                  f"{tr['smallest']} and {tr['gap_largest']:+.3f} on {tr['largest']} (change {tr['change']:+.3f} ± "
                  f"{tr['se']:.3f}; slope {tr['slope_per_decade']:+.3f} per decade of block-linear parameters): it "
                  f"{how} with size.")
+# the same trend at a matched cut: per model its target whose share of block linears removed is nearest the first
+# model's at the largest ratio (kept only within a quarter of it)
+cut = df[df["method"] != "dense"].groupby(["model", "target"])["layers_ratio"].median()
+own = {m: sorted(t for (m_, t) in cut.index if m_ == m) for m in models}
+gaps_all = sc.gap_rows(results, sorted({t for ts in own.values() for t in ts}))
+ref = cut.get((models[0], max(ratios)))
+matched = []
+for m in models:
+    near = min(own[m], key=lambda t: abs(cut[(m, t)] - ref)) if ref is not None and own[m] else None
+    if near is not None and abs(cut[(m, near)] - ref) <= 0.25 * ref:
+        matched += [{**g, "target": -1.0, "chosen": near} for g in gaps_all
+                    if g["model"] == m and math.isclose(g["target"], near) and "gap" in g]
+tr = sc.trend(matched, -1.0)
+unmatched = [m for m in models if own[m] and m not in {g["model"] for g in matched}]
+verdict["trend_matched_cut"] = {**tr, "reference_share": None if ref is None else float(ref), "unmatched": unmatched}
+if unmatched:
+    lines.append(f"* No target of {', '.join(unmatched)} removes about {100 * ref:.0f} % of its block linears (the "
+                 "matched cut below" + ("" if match_cut else "; `match_cut` adds one") + ").")
+if tr.get("models", 0) >= 2:
+    how = ("shrinks" if tr["shrinks"] else "grows" if tr["grows"] else "does not change beyond two standard errors")
+    picks = ", ".join(f"{g['model']} at {100 * g['chosen']:g} % of the model" for g in matched)
+    lines.append(f"* At a matched cut (about {100 * ref:.0f} % of the block linears removed: {picks}), GFWSVD's gap is "
+                 f"{tr['gap_smallest']:+.3f} on {tr['smallest']} and {tr['gap_largest']:+.3f} on {tr['largest']} "
+                 f"(change {tr['change']:+.3f} ± {tr['se']:.3f}): it {how} with size.")
 eff = sc.shrinkage_effect(results, ratios)
 verdict["shrinkage"] = eff
 for e in eff:
@@ -247,6 +291,15 @@ if told:
                  f"{len(told)} compressed rows differ from GFWSVD's by more than two paired standard errors"
                  + (f": {', '.join(apart)}." if apart else "."))
     verdict["zero_shot_apart"] = len(apart)
+share = df[df["method"] != "dense"].groupby(["model", "target"])["layers_ratio"].median()
+verdict["block_share_removed"] = {f"{m} / {t:g}": float(v) for (m, t), v in share.items()}
+lines.append("* The same whole-model target is not the same cut for every model: the share of its block linears "
+             "removed is " + "; ".join(f"{m} " + " / ".join(f"{100 * share[(m, t)]:.0f} %" for t in ratios
+                                                               if (m, t) in share) for m in models
+                                       if any((m, t) in share for t in ratios))
+             + f" (at {' / '.join(f'{100 * t:g} %' for t in ratios)} of the whole model; the embeddings are the "
+             "rest). Where these shares differ, a gap that moves between models moves with the depth of the cut as "
+             "much as with size; the paper's Llamas keep about 4 % of their parameters in embeddings.")
 sizes = sorted(size.values())
 if len(sizes) > 1:
     lines.append(f"* What these sizes can tell: block linears from {sizes[0] / 1e6:.0f}M to {sizes[-1] / 1e6:.0f}M "
