@@ -167,9 +167,9 @@ class Decompositions:
     def _write(self, key: tuple, dec: Decomposition) -> None:
         if self.folder is None:
             return
-        rec = {"key": repr(key), "P": dec.P.cpu(), "S": dec.S.cpu(), "Q": dec.Q.cpu(),
-               "out_dtype": str(dec.out_dtype).removeprefix("torch."), "alpha_A": dec.alpha_A,
-               "alpha_B": dec.alpha_B, "digest": _digest((dec.P, dec.S, dec.Q))}
+        P, S, Q = dec.P.cpu(), dec.S.cpu(), dec.Q.cpu()
+        rec = {"key": repr(key), "P": P, "S": S, "Q": Q, "out_dtype": str(dec.out_dtype).removeprefix("torch."),
+               "alpha_A": dec.alpha_A, "alpha_B": dec.alpha_B, "digest": _digest((P, S, Q))}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             if not self._swept:  # what a process killed while writing left behind

@@ -38,7 +38,7 @@ from ..core.conventions import FisherkronError
 from ..env import REPO_ROOT, atomic_write, data_root, models_root
 from . import ledger
 
-__all__ = ["ORDER", "EXCLUDED", "cold_data", "read_state", "plan", "run", "status"]
+__all__ = ["ORDER", "EXCLUDED", "cold_data", "read_state", "plan", "run", "costs", "status"]
 
 #: the notebooks of the cold run, in the order they run: the minutes-long ones first, then the decoder studies
 #: that share SmolLM2's calibration, sweeps and scores (whichever runs first computes them), then the rest
@@ -123,6 +123,18 @@ def run(notebooks=ORDER, data=None, make: str = "make", dry_run: bool = False) -
     return 0
 
 
+def costs(book: Path, done=None) -> list[dict]:
+    """Per notebook of :data:`ORDER`, from the runs log of ``book``: ``{"notebook", "finished", "runs", "seconds"}``
+    (its runs and their wall seconds in all); ``finished`` from ``done`` (names) when given, else from the log."""
+    got = ledger.run_costs(book)
+    rows = []
+    for n in ORDER:
+        c = got.get(n, {"runs": 0, "seconds": 0.0, "finished": False})
+        rows.append({"notebook": n, "finished": n in done if done is not None else c["finished"], "runs": c["runs"],
+                     "seconds": c["seconds"]})
+    return rows
+
+
 def status(data=None, book: Path | None = None) -> list[dict]:
     """Per notebook of :data:`ORDER`: finished or not, and its wall seconds over all its runs. Saves first (as
     ``save``), so that the runs log of ``book`` (default ``data/ledger/cold``) holds the data root's runs, a run
@@ -131,9 +143,7 @@ def status(data=None, book: Path | None = None) -> list[dict]:
     state = read_state(root)
     book = Path(book or data_root() / "ledger" / "cold")
     ledger.save(root / "cache", book)
-    costs = ledger.run_costs(book)
-    return [{"notebook": n, "finished": n in state["done"], "runs": costs.get(n, {}).get("runs", 0),
-             "seconds": costs.get(n, {}).get("seconds", 0.0)} for n in ORDER]
+    return costs(book, state["done"])
 
 
 def main(argv=None) -> int:

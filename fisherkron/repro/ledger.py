@@ -159,7 +159,7 @@ def run_paused(run: str, seconds: float, cache: Path | None = None) -> None:
         raise FisherkronError(f"a pause of {seconds!r} s does not fit run {run}, which started "
                               f"{now - float(start['t']):.0f} s ago; give the seconds it was stopped")
     _append(path,
-            {"event": "paused", "run": run, "seconds": round(float(seconds), 1), "t": now, "time": _utc(now)})
+            {"event": "paused", "run": run, "seconds": round(seconds, 1), "t": now, "time": _utc(now)})
 
 
 def _booted() -> float:

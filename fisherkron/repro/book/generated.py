@@ -126,20 +126,16 @@ def bench_decompositions(out: Outputs, root: Path) -> str:
 def cold_run(out: Outputs, root: Path) -> str:
     """Each notebook of the cold run: finished or not, its runs and their wall time in all, the machines, the total."""
     book = root / "data" / "ledger" / "cold"
-    costs = ledger.run_costs(book)
-    if not costs:
+    rows = cold.costs(book)
+    if not any(r["runs"] for r in rows):
         return "The cold run has not started on this checkout (`make cold-run`).\n"
-    machines = ledger.run_machines(book)
-    rows, total = [], 0.0
-    for name in cold.ORDER:
-        c = costs.get(name, {"runs": 0, "seconds": 0.0, "finished": False})
-        total += c["seconds"]
-        rows.append([_page(name, root), "yes" if c["finished"] else "no", num(c["runs"]),
-                     num(c["seconds"] / 3600, 2) if c["runs"] else ""])
-    done = sum(costs.get(n, {}).get("finished", False) for n in cold.ORDER)
-    return (table(["notebook", "finished", "runs", "hours"], rows)
-            + f"\n\nIn all: {num(total / 3600, 2)} h of wall time, {done} of {len(cold.ORDER)} notebooks finished, "
-            f"on {' and '.join(machines)} (pauses for other measurements left out).\n")
+    body = [[_page(r["notebook"], root), "yes" if r["finished"] else "no", num(r["runs"]),
+             num(r["seconds"] / 3600, 2) if r["runs"] else ""] for r in rows]
+    total = sum(r["seconds"] for r in rows)
+    return (table(["notebook", "finished", "runs", "hours"], body)
+            + f"\n\nIn all: {num(total / 3600, 2)} h of wall time, {sum(r['finished'] for r in rows)} of {len(rows)} "
+            f"notebooks finished, on {' and '.join(ledger.run_machines(book))} (pauses for other measurements left "
+            "out).\n")
 
 
 _PAGES = {"verify_record": verify_table, "notebook_costs": notebook_costs, "bench": bench,
