@@ -156,10 +156,16 @@ def test_calibration_halves_and_compression(tmp_path):
     for h, got in ((0, h1), (1, h2)):
         ref = fk.mff(G[h::2], init=start, **MFF)
         assert torch.allclose(got["A"], ref.A) and torch.allclose(got["B"], ref.B)
-    files = sorted(p.name for p in (st.dir / "mff").glob(f"{name}.*.half*.pt"))
-    assert len(files) == 2
-    again = st.kronecker_halves(name, **MFF)  # read back
-    assert torch.equal(again[0]["A"], h1["A"]) and torch.equal(again[1]["B"], h2["B"])
+    assert not list((st.dir / "mff").glob(f"{name}.*.half*.pt"))  # the halves' factors are not kept
+
+    lam = st.shrinkage(name, **MFF)
+    full = st.kronecker(name, **MFF)
+    assert lam == (split_half_intensity(full["A"], h1["A"], h2["A"]), split_half_intensity(full["B"], h1["B"], h2["B"]))
+    kept = list((st.dir / "mff").glob(f"{name}.*.shrinkage.pt"))
+    assert len(kept) == 1 and kept[0].stat().st_size < 4096  # two numbers and a checksum
+    assert st.shrinkage(name, **MFF) == lam  # read back
+    torch.save({"lambda_A": 0.5, "lambda_B": 0.5, "check": "0" * 40}, kept[0])  # damaged: computed again
+    assert st.shrinkage(name, **MFF) == lam
 
     before = sum(p.numel() for p in model.parameters())
     rep = compress(model, "gfwsvd_shrunk", st, None, ratio=0.3, mff_options=MFF)

@@ -59,14 +59,13 @@ from ..core.methods import METHODS, decompose_weight
 from ..core.methods import method as method_row
 from ..core.phases import timed
 from ..core.regularization import MIN_ALPHA
-from ..core.shrinkage import split_half_intensity
 from ..env import atomic_write, code_digest, data_root
 from .calibration import CalibrationStats, data_fingerprint, default_loss, loss_key, model_fingerprint
 from .sweep_cache import FORMAT, entry, read_sweep
 
 __all__ = ["SENSITIVITY_RATIOS", "METRICS", "sensitivity_sweep", "sweep_key", "mean_loss", "loss_with_factors",
-           "PrefixReplay", "OutputKL", "block_index", "layer_statistics", "kronecker_factors", "decompose_layer",
-           "options_key"]
+           "PrefixReplay", "OutputKL", "block_index", "layer_statistics", "kronecker_factors", "shrinkage_intensities",
+           "decompose_layer", "options_key"]
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +131,7 @@ def layer_statistics(stats: CalibrationStats | None, method: str, name: str, mff
         if info is not None:
             info.update({k: res[k] for k in ("fisher_share", "matvecs", "converged")})
     if method == "gfwsvd_shrunk":  # lambda_A, lambda_B from MFF on each half of the gradients
-        h1, h2 = kronecker_halves(stats, name, mff_options, device)
-        given["shrinkage"] = (split_half_intensity(res["A"], h1["A"], h2["A"], f"{name}: A"),
-                              split_half_intensity(res["B"], h1["B"], h2["B"], f"{name}: B"))
+        given["shrinkage"] = shrinkage_intensities(stats, name, mff_options, device)
         if info is not None:
             info["shrinkage"] = given["shrinkage"]
     return given
@@ -147,11 +144,12 @@ def kronecker_factors(stats: CalibrationStats, name: str, mff_options: dict | No
     return stats.kronecker(name, device=device, **opts)
 
 
-def kronecker_halves(stats: CalibrationStats, name: str, mff_options: dict | None, device=None) -> tuple[dict, dict]:
-    """``stats.kronecker_halves`` of layer ``name`` with the options of :func:`kronecker_factors`."""
+def shrinkage_intensities(stats: CalibrationStats, name: str, mff_options: dict | None,
+                          device=None) -> tuple[float, float]:
+    """``stats.shrinkage`` (``lambda_A``, ``lambda_B``) of layer ``name`` with the options of :func:`kronecker_factors`."""
     opts = dict(mff_options or {})
     device = opts.pop("device", device)
-    return stats.kronecker_halves(name, device=device, **opts)
+    return stats.shrinkage(name, device=device, **opts)
 
 
 @timed("weighted SVDs")

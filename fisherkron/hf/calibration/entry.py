@@ -21,8 +21,9 @@ from torch import nn
 from ...core.conventions import FisherkronError
 from ...core.distributed import all_or_none, all_reduce_, broadcast_int, rank_of, resolve_group, world_of
 from ...core.kfac import KFACFactors
+from ...core import shrinkage as shrink_code
 from ...core.methods import METHODS
-from ...env import TMP_PREFIX, atomic_write, file_checksum, remove_stale_temporaries
+from ...env import TMP_PREFIX, atomic_write, code_digest, file_checksum, remove_stale_temporaries
 from .keys import layer_fingerprint, model_difference, model_fingerprint, tensor_digest
 
 __all__ = ["CalibrationStats", "STATS", "GRANULARITIES", "METHOD_STATS", "MFF_DTYPE", "mff_settings", "read_manifest",
@@ -252,9 +253,10 @@ class CalibrationStats:
 
         What :func:`~fisherkron.core.shrinkage.split_half_intensity` compares with :meth:`kronecker`'s factors
         to estimate how noisy their off-diagonals are (method ``gfwsvd_shrunk``). Same start and options as
-        :meth:`kronecker`; each half is kept beside its factors (``<layer>.<tag>.half0.pt``, ``half1``) with the
-        same checksum rule. Needs the gradients of at least two batches (``k >= 2``), stored per batch or per
-        sequence; an entry collected under a disk bound keeps none and is refused in one line.
+        :meth:`kronecker`. Not kept on disk (two more sets of factors, ``2 (m^2 + n^2)`` float64 entries per
+        layer): :meth:`shrinkage` keeps the two numbers they are read for. Needs the gradients of at least two
+        batches (``k >= 2``), stored per batch or per sequence; an entry collected under a disk bound keeps
+        none and is refused in one line.
         """
         self._need("grads")
         if self.granularity == "token":
@@ -264,27 +266,40 @@ class CalibrationStats:
             raise FisherkronError(f"split halves need the gradients of at least 2 batches; the calibration in "
                                   f"{self.dir} has k = {self.k}: collect it with k >= 2 (k >= 8 gives halves "
                                   f"worth comparing)")
-        mff_options = mff_settings(mff_options)
-        f, tag = self.factors_file(name, init=init, **mff_options)
-        halves, stack = [], None
-        for h in (0, 1):
-            fh, htag = f.with_name(f.name[: -len(".pt")] + f".half{h}.pt"), f"{tag}/half{h}"
-            got = self._read_factors(fh, name, htag)
-            if got is None:
-                if not self.keeps_gradients:
-                    raise self._no_gradients(f"layer {name} has no gradients to split into halves")
-                from ...core.factorization import mff
-                from ...core.operators import GradientStack
+        if not self.keeps_gradients:
+            raise self._no_gradients(f"layer {name} has no gradients to split into halves")
+        from ...core.factorization import mff
+        from ...core.operators import GradientStack
 
-                if stack is None:
-                    stack = GradientStack(self.gradients(name), name=name).stacked()  # (k, n, m)
-                start = self.kfac(name) if init == "kfac" and "kfac" in self.stats else None
-                res = mff(stack[h::2], init=start, device=device, name=f"{name} (half {h + 1} of 2)", **mff_options)
-                got = {"A": res.A.cpu(), "B": res.B.cpu(), "fisher_share": float(res.fisher_share),
-                       "matvecs": int(res.matvecs), "converged": bool(res.converged)}
-                self._keep_factors(fh, name, htag, got)
-            halves.append(got)
+        mff_options = mff_settings(mff_options)
+        stack = GradientStack(self.gradients(name), name=name).stacked()  # (k, n, m)
+        start = self.kfac(name) if init == "kfac" and "kfac" in self.stats else None
+        halves = []
+        for h in (0, 1):
+            res = mff(stack[h::2], init=start, device=device, name=f"{name} (half {h + 1} of 2)", **mff_options)
+            halves.append({"A": res.A.cpu(), "B": res.B.cpu(), "fisher_share": float(res.fisher_share),
+                           "matvecs": int(res.matvecs), "converged": bool(res.converged)})
         return halves[0], halves[1]
+
+    def shrinkage(self, name: str, *, init: str = "kfac", device=None, **mff_options) -> tuple[float, float]:
+        r"""``(lambda_A, lambda_B)``: the split-half shrinkage intensities of layer ``name``'s MFF factors.
+
+        :func:`~fisherkron.core.shrinkage.split_half_intensity` of :meth:`kronecker`'s ``A`` and ``B`` against
+        those of :meth:`kronecker_halves`, what method ``gfwsvd_shrunk`` reads. Kept beside the factors
+        (``<layer>.<tag>.shrinkage.pt``, the same checksum rule, the tag extended by a digest of the code that
+        computes the intensity), so the halves' MFF runs once per layer and their factors never reach the disk.
+        """
+        f, tag = self.factors_file(name, init=init, **mff_options)
+        fs = f.with_name(f.name[: -len(".pt")] + ".shrinkage.pt")
+        stag = f"{tag}/shrinkage/{code_digest([Path(shrink_code.__file__)])}"
+        got = self._read_factors(fs, name, stag)
+        if got is None:
+            full = self.kronecker(name, init=init, device=device, **mff_options)
+            h1, h2 = self.kronecker_halves(name, init=init, device=device, **mff_options)
+            got = {"lambda_A": shrink_code.split_half_intensity(full["A"], h1["A"], h2["A"], f"{name}: A"),
+                   "lambda_B": shrink_code.split_half_intensity(full["B"], h1["B"], h2["B"], f"{name}: B")}
+            self._keep_factors(fs, name, stag, got)
+        return float(got["lambda_A"]), float(got["lambda_B"])
 
     def factors_file(self, name: str, *, init: str = "kfac", **mff_options) -> tuple[Path, str]:
         """``(file, tag)``: where :meth:`kronecker` keeps the factors of ``name`` for ``init`` and ``mff_options``.
