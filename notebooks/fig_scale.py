@@ -242,29 +242,28 @@ for t in ratios:
                  f"{tr['smallest']} and {tr['gap_largest']:+.3f} on {tr['largest']} (change {tr['change']:+.3f} ± "
                  f"{tr['se']:.3f}; slope {tr['slope_per_decade']:+.3f} per decade of block-linear parameters): it "
                  f"{how} with size.")
-# the same trend at a matched cut: per model its target whose share of block linears removed is nearest the first
-# model's at the largest ratio (kept only within a quarter of it)
+# the same trend at a matched cut: per model its target whose share of block linears removed (measured, the median
+# over its cases) is nearest the first model's at the largest ratio (ref_cut; kept only within a quarter of it)
 cut = df[df["method"] != "dense"].groupby(["model", "target"])["layers_ratio"].median()
 own = {m: sorted(t for (m_, t) in cut.index if m_ == m) for m in models}
 gaps_all = sc.gap_rows(results, sorted({t for ts in own.values() for t in ts}))
-ref = cut.get((models[0], max(ratios)))
 matched = []
 for m in models:
-    near = min(own[m], key=lambda t: abs(cut[(m, t)] - ref)) if ref is not None and own[m] else None
-    if near is not None and abs(cut[(m, near)] - ref) <= 0.25 * ref:
+    near = min(own[m], key=lambda t: abs(cut[(m, t)] - ref_cut)) if own[m] else None
+    if near is not None and abs(cut[(m, near)] - ref_cut) <= 0.25 * ref_cut:
         matched += [{**g, "target": -1.0, "chosen": near} for g in gaps_all
                     if g["model"] == m and math.isclose(g["target"], near) and "gap" in g]
 tr = sc.trend(matched, -1.0)
 unmatched = [m for m in models if own[m] and m not in {g["model"] for g in matched}]
-verdict["trend_matched_cut"] = {**tr, "reference_share": None if ref is None else float(ref), "unmatched": unmatched}
+verdict["trend_matched_cut"] = {**tr, "reference_share": float(ref_cut), "unmatched": unmatched}
 if unmatched:
-    lines.append(f"* No target of {', '.join(unmatched)} removes about {100 * ref:.0f} % of its block linears (the "
+    lines.append(f"* No target of {', '.join(unmatched)} removes about {100 * ref_cut:.0f} % of its block linears (the "
                  "matched cut below" + ("" if match_cut else "; `match_cut` adds one") + ").")
 if tr.get("models", 0) >= 2:
     how = ("shrinks" if tr["shrinks"] else "grows" if tr["grows"] else "does not change beyond two standard errors")
     picks = ", ".join(f"{g['model']} at {100 * g['chosen']:g} % of the model" for g in matched)
-    lines.append(f"* At a matched cut (about {100 * ref:.0f} % of the block linears removed: {picks}), GFWSVD's gap is "
-                 f"{tr['gap_smallest']:+.3f} on {tr['smallest']} and {tr['gap_largest']:+.3f} on {tr['largest']} "
+    lines.append(f"* At a matched cut (about {100 * ref_cut:.0f} % of the block linears removed: {picks}), GFWSVD's "
+                 f"gap is {tr['gap_smallest']:+.3f} on {tr['smallest']} and {tr['gap_largest']:+.3f} on {tr['largest']} "
                  f"(change {tr['change']:+.3f} ± {tr['se']:.3f}): it {how} with size.")
 eff = sc.shrinkage_effect(results, ratios)
 verdict["shrinkage"] = eff
@@ -291,7 +290,7 @@ if told:
                  f"{len(told)} compressed rows differ from GFWSVD's by more than two paired standard errors"
                  + (f": {', '.join(apart)}." if apart else "."))
     verdict["zero_shot_apart"] = len(apart)
-share = df[df["method"] != "dense"].groupby(["model", "target"])["layers_ratio"].median()
+share = cut  # each model's share of block linears removed at each target (above)
 verdict["block_share_removed"] = {f"{m} / {t:g}": float(v) for (m, t), v in share.items()}
 lines.append("* The same whole-model target is not the same cut for every model: the share of its block linears "
              "removed is " + "; ".join(f"{m} " + " / ".join(f"{100 * share[(m, t)]:.0f} %" for t in ratios
