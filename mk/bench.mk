@@ -56,3 +56,12 @@ DECOMP_OUT := $(foreach e,csv md tex provenance.json,$(BENCH_DIR)/bench_decompos
 bench-decompositions: $(DECOMP_OUT) ## every SmolLM2 layer's weighted SVD computed vs read from disk (GFWSVD, SVD-LLM, FWSVD; about 5 min on 2 idle cores once the calibration is cached)
 $(DECOMP_OUT) &: scripts/bench_decompositions.py fisherkron/hf/decompositions.py $(CORE_SRC) | $(STAMP)
 	$(PY) scripts/bench_decompositions.py --out $(BENCH_DIR)
+
+# Where a sensitivity-sweep evaluation's seconds go, against the GEMM rate (scripts/bench_sweep.py): a benchmark, not a test.
+SWEEP_OUT := $(foreach s,bench_sweep bench_sweep_ops,$(foreach e,csv md tex provenance.json,$(BENCH_DIR)/$s.$e))
+
+.PHONY: bench-sweep
+.PRECIOUS: $(SWEEP_OUT)
+bench-sweep: $(SWEEP_OUT) ## one sweep evaluation of SmolLM2 per block: seconds, FLOPs, share of the GEMM rate, CPU time by operator (about 2 min on 2 idle cores)
+$(SWEEP_OUT) &: scripts/bench_sweep.py fisherkron/hf/sensitivity.py $(CORE_SRC) | $(STAMP)
+	$(PY) scripts/bench_sweep.py --out $(BENCH_DIR)

@@ -146,7 +146,7 @@ def kronecker_factors(stats: CalibrationStats, name: str, mff_options: dict | No
 
 def shrinkage_intensities(stats: CalibrationStats, name: str, mff_options: dict | None,
                           device=None) -> tuple[float, float]:
-    """``stats.shrinkage`` (``lambda_A``, ``lambda_B``) of layer ``name`` with the options of :func:`kronecker_factors`."""
+    """``stats.shrinkage`` (``lambda_A``, ``lambda_B``) of layer ``name``, options as :func:`kronecker_factors`."""
     opts = dict(mff_options or {})
     device = opts.pop("device", device)
     return stats.shrinkage(name, device=device, **opts)

@@ -11,6 +11,7 @@ committed files only (:mod:`.records` reads and formats them):
 * ``bench_recipe.md``: the ``make bench-recipe`` table (the recommended recipe against the old
   default, as ``fisherkron compress`` runs them) with the machine that measured it;
 * ``bench_decompositions.md``: the ``make bench-decompositions`` table;
+* ``bench_sweep.md``: the ``make bench-sweep`` tables;
 * ``cold_run.md``: the cold run's notebooks, their runs and wall time over all of them, from its committed
   runs log (``data/ledger/cold/``, :mod:`fisherkron.repro.cold`).
 """
@@ -25,8 +26,8 @@ from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_t
                       make_all_time, notebook_time, num, other_cpu, table, verify_records)
 from .sources import pages
 
-__all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "bench_decompositions", "cold_run",
-           "write_generated"]
+__all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "bench_decompositions", "bench_sweep",
+           "cold_run", "write_generated"]
 
 #: the folder, inside the book's source folder, that the pages include from
 FOLDER = "_generated"
@@ -34,6 +35,7 @@ _BENCH = "bench/bench_mff"
 _BENCH_FIGURE = "fig_bench_mff.png"
 _RECIPE = "bench/bench_recipe"
 _DECOMPOSITIONS = "bench/bench_decompositions"
+_SWEEP = "bench/bench_sweep"
 
 
 def _page(name: str, root: Path) -> str:
@@ -123,6 +125,14 @@ def bench_decompositions(out: Outputs, root: Path) -> str:
     return _bench_run(out, _DECOMPOSITIONS, "bench-decompositions")
 
 
+def bench_sweep(out: Outputs, root: Path) -> str:
+    """The committed ``make bench-sweep`` tables: one sweep evaluation per block, and its CPU time by operator."""
+    text = _bench_run(out, _SWEEP, "bench-sweep")
+    if (out.folder / f"{_SWEEP}_ops.provenance.json").is_file():
+        text += "\n" + out.markdown(f"{_SWEEP}_ops").rstrip() + "\n"
+    return text
+
+
 def cold_run(out: Outputs, root: Path) -> str:
     """Each notebook of the cold run: finished or not, its runs and their wall time in all, the machines, the total."""
     book = root / "data" / "ledger" / "cold"
@@ -139,7 +149,8 @@ def cold_run(out: Outputs, root: Path) -> str:
 
 
 _PAGES = {"verify_record": verify_table, "notebook_costs": notebook_costs, "bench": bench,
-          "bench_recipe": bench_recipe, "bench_decompositions": bench_decompositions, "cold_run": cold_run}
+          "bench_recipe": bench_recipe, "bench_decompositions": bench_decompositions, "bench_sweep": bench_sweep,
+          "cold_run": cold_run}
 
 
 def write_generated(out_dir: Path, root: Path = REPO_ROOT) -> list[Path]:
