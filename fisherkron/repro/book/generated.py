@@ -128,6 +128,9 @@ def bench_decompositions(out: Outputs, root: Path) -> str:
 def bench_sweep(out: Outputs, root: Path) -> str:
     """The committed ``make bench-sweep`` tables: one sweep evaluation per block, and its CPU time by operator."""
     text = _bench_run(out, _SWEEP, "bench-sweep")
+    caption = out.record(_SWEEP).get("caption") if (out.folder / f"{_SWEEP}.provenance.json").is_file() else None
+    if caption:
+        text += "\n" + caption + "\n"
     if (out.folder / f"{_SWEEP}_ops.provenance.json").is_file():
         text += "\n" + out.markdown(f"{_SWEEP}_ops").rstrip() + "\n"
     return text
