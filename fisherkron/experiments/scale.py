@@ -151,7 +151,7 @@ def run_model(protocol, methods=SCALE_METHODS, allocations=SCALE_ALLOCATIONS, ra
     bar = tqdm(jobs, desc=f"{protocol.model_name}: cases (method x allocation x ratio)", disable=not progress)
     for method, allocation, target in bar:
         case = lc.Case(method, allocation, target)
-        rows.append(row(case, study.scores(case, kinds(method, allocation, target))))
+        rows.append(row(case, study.scores(case, kinds(method, allocation, target), progress=progress)))
     lam = intensities(study) if "gfwsvd_shrunk" in methods else []
     out = {"model": protocol.model_name, "params": count_params(study.model),
            "block_params": block_linear_params(study.model, study.names), "layers": len(study.names),
