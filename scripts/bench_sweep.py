@@ -45,6 +45,17 @@ def _gemm_rate(n: int, m: int, T: int, repeats: int = 20) -> float:
     return 2 * T * n * m / best / 1e9
 
 
+def _middle_candidate(model, name: str, ratios):
+    """``(r, (W2, W1))``: the truncated SVD of layer ``name`` at the sweep's middle candidate rank."""
+    from fisherkron.hf.sensitivity import _candidates
+
+    W = model.get_submodule(name).weight.detach()
+    cands = _candidates(W.shape[0], W.shape[1], ratios)
+    r = cands[len(cands) // 2]
+    U, S, Vh = torch.linalg.svd(W.double(), full_matrices=False)
+    return r, ((U[:, :r] * S[:r]).float(), Vh[:r].float())
+
+
 def _flops(model, names, block: int, tokens: int, seq: int) -> float:
     """Matrix-product FLOPs of one evaluation that runs blocks ``block..L-1`` and the head."""
     cfg = model.config
@@ -65,7 +76,7 @@ def main(argv=None) -> int:
     from fisherkron import hf
     from fisherkron.env import OtherLoad
     from fisherkron.experiments import llm_compression as lc
-    from fisherkron.hf.sensitivity import PrefixReplay, _candidates, loss_with_factors
+    from fisherkron.hf.sensitivity import PrefixReplay, loss_with_factors
     from fisherkron.repro.figures import save_table
 
     started = time.perf_counter()
@@ -88,11 +99,7 @@ def main(argv=None) -> int:
         for kind in ("self_attn.q_proj", "mlp.down_proj"):
             for b in args.blocks:
                 name = f"model.layers.{b}.{kind}"
-                W = model.get_submodule(name).weight.detach()
-                cands = _candidates(W.shape[0], W.shape[1], p.sens_ratios)
-                r = cands[len(cands) // 2]
-                U, S, Vh = torch.linalg.svd(W.double(), full_matrices=False)
-                factors = ((U[:, :r] * S[:r]).float(), Vh[:r].float())
+                r, factors = _middle_candidate(model, name, p.sens_ratios)
                 times = []
                 for _ in range(args.repeats):
                     t = time.perf_counter()
@@ -118,11 +125,9 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     mid = f"model.layers.{args.blocks[len(args.blocks) // 2]}.mlp.down_proj"
-    W = model.get_submodule(mid).weight.detach()
-    U, S, Vh = torch.linalg.svd(W.double(), full_matrices=False)
-    r = _candidates(W.shape[0], W.shape[1], p.sens_ratios)[len(p.sens_ratios) // 2]
+    _, factors = _middle_candidate(model, mid, p.sens_ratios)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        loss_with_factors(model, mid, ((U[:, :r] * S[:r]).float(), Vh[:r].float()), sweep, replay=replay)
+        loss_with_factors(model, mid, factors, sweep, replay=replay)
     ev = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in ev)
     groups = {"matrix products (mm, addmm, bmm)": ("aten::mm", "aten::addmm", "aten::bmm"),
