@@ -84,9 +84,7 @@ def main(argv=None) -> int:
     p = lc.Protocol.from_params(params)
     model, tok = hf.load_model(p.model_name)[:2]
     model.eval()
-    docs = hf.c4_documents()[p.calib_docs:]
-    sweep = hf.lm_batches(tok, docs[:p.sweep_docs], k=p.heldout_k, batch_size=p.batch_size, seq_len=p.seq_len,
-                          seed=p.seed + 1)
+    sweep = lc.split_batches(p, tok)[1]  # the protocol's held-out sweep batches
     tokens = sum(b["input_ids"].numel() for b in sweep)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
     replay = PrefixReplay(model, names, sweep)
@@ -112,11 +110,13 @@ def main(argv=None) -> int:
                 print(f"[bench-sweep] {name} rank {r}: {s:.3f} s, {gf:.0f} GFLOP, {gf / s:.0f} GFLOP/s", flush=True)
     df = pd.DataFrame(rows)
     mean_s = float(df.groupby("block")["seconds"].mean().mean())
-    sweep_min = 5 * len(names) * len(p.sens_ratios) * mean_s / 60
+    methods = len(params["methods"])
+    sweep_min = methods * len(names) * len(p.sens_ratios) * mean_s / 60
     caption = (f"One sensitivity-sweep evaluation of SmolLM2 ({tokens} held-out tokens in sequences of {p.seq_len}, "
                f"the blocks before the layer replayed) per block, against the float32 GEMM rate of the model's "
                f"MLP shape measured in the same process ({rate:.0f} GFLOP/s). Mean over the blocks {mean_s:.2f} s: "
-               f"the five methods' sweeps (210 layers x {len(p.sens_ratios)} candidates) about {sweep_min:.0f} min. "
+               f"the {methods} methods' sweeps ({len(names)} layers x {len(p.sens_ratios)} candidates) about "
+               f"{sweep_min:.0f} min. "
                f"Other processes' share of the cores meanwhile {load.share:.2f}.")
     timing = {c: "timing" for c in ("seconds", "GFLOP/s", "share of GEMM rate")}
     save_table(df, "bench_sweep", args.out, {**vars(args), "gemm_gflops": rate}, started=started, floatfmt=".3g",

@@ -48,8 +48,8 @@ from ..env import atomic_write, code_digest, data_root
 from .llm_summary import ZERO_SHOT, mmlu_scores, zero_shot_scores
 
 __all__ = ["CODE_VERSION", "STUDY_METHODS", "ALLOCATIONS", "PAPER_ALLOCATION", "ASVD_CANDIDATES", "KINDS",
-           "Protocol", "Case", "Study", "check_reachable", "study_stats", "calibrate", "first_tokens", "prepare",
-           "case_config", "case_key", "best_allocation", "run_table", "token_losses", "difference_noise",
+           "Protocol", "Case", "Study", "check_reachable", "study_stats", "calibrate", "first_tokens", "split_batches",
+           "prepare", "case_config", "case_key", "best_allocation", "run_table", "token_losses", "difference_noise",
            "sweep_noise", "window_losses", "transposed_decomposition", "compress_transposed", "scored", "first_seconds"]
 
 log = logging.getLogger(__name__)
@@ -667,6 +667,26 @@ def code_tag() -> str:
             f"transformers-{transformers.__version__}")
 
 
+def split_batches(protocol: Protocol, tok) -> tuple[list, list, list]:
+    """``(calibration, sweep, selection)`` token batches of the protocol, from disjoint documents: the first
+    ``calib_docs`` give the ``k`` calibration batches, the next ``sweep_docs`` the ``heldout_k`` sweep batches, the
+    rest the ``select_k`` selection batches (each draw seeded)."""
+    from .. import hf
+
+    p = protocol
+    docs = _documents(p)
+    if p.calib_docs + p.sweep_docs >= len(docs):
+        raise FisherkronError(f"calib_docs={p.calib_docs} + sweep_docs={p.sweep_docs} leave no selection documents "
+                              f"of {len(docs)}; lower them")
+    calib = hf.lm_batches(tok, docs[:p.calib_docs], k=p.k, batch_size=p.batch_size, seq_len=p.seq_len, seed=p.seed)
+    rest = docs[p.calib_docs:]
+    sweep = hf.lm_batches(tok, rest[:p.sweep_docs], k=p.heldout_k, batch_size=p.batch_size, seq_len=p.seq_len,
+                          seed=p.seed + 1)
+    select = hf.lm_batches(tok, rest[p.sweep_docs:], k=p.select_k, batch_size=p.batch_size, seq_len=p.seq_len,
+                           seed=p.seed + 2)
+    return calib, sweep, select
+
+
 def prepare(protocol: Protocol, target: str = "tab_llm_compression_main", progress: bool = True,
             loaded: tuple | None = None) -> Study:
     """Load the model, calibrate (cached), draw the held-out batches and tokenise the evaluation texts.
@@ -680,16 +700,7 @@ def prepare(protocol: Protocol, target: str = "tab_llm_compression_main", progre
     check_reachable(protocol.model_name, target)
     p = protocol
     model, tok = loaded if loaded is not None else hf.load_model(p.model_name)
-    docs = _documents(p)
-    if p.calib_docs + p.sweep_docs >= len(docs):
-        raise FisherkronError(f"calib_docs={p.calib_docs} + sweep_docs={p.sweep_docs} leave no selection documents "
-                              f"of {len(docs)}; lower them")
-    batches = hf.lm_batches(tok, docs[:p.calib_docs], k=p.k, batch_size=p.batch_size, seq_len=p.seq_len, seed=p.seed)
-    rest = docs[p.calib_docs:]
-    sweep = hf.lm_batches(tok, rest[:p.sweep_docs], k=p.heldout_k, batch_size=p.batch_size, seq_len=p.seq_len,
-                          seed=p.seed + 1)
-    select = hf.lm_batches(tok, rest[p.sweep_docs:], k=p.select_k, batch_size=p.batch_size, seq_len=p.seq_len,
-                           seed=p.seed + 2)
+    batches, sweep, select = split_batches(p, tok)
     stats = calibrate(model, batches, p, progress=progress)
     profile = "paper" if p.profile == "paper" else "default"
     texts = {"wiki": hf.wiki_text(profile=profile), "ptb": hf.ptb("test", profile=profile)}
