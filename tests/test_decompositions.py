@@ -140,3 +140,20 @@ def test_a_folder_that_cannot_be_written_costs_only_the_disk_tier(calibrated, tm
     cache = Decompositions(blocker / "decompositions")  # under a file: nothing can be written there
     dec, _ = cache.get(base.get_submodule(name), "gfwsvd", st, name)
     assert cache.misses == 1 and len(cache) == 1 and dec.S.numel() > 0
+
+
+@pytest.mark.parametrize("method", ["gfwsvd", "kfac_svd"])
+def test_an_entry_keeps_no_factors_and_the_curves_read_them_again(method, calibrated):
+    from fisherkron.hf.allocation import fisher_curves
+
+    base, st = calibrated
+    names = list(st.layers)
+    cache = Decompositions()
+    first, m1 = fisher_curves(base, method, st, names, decompositions=cache)
+    for dec, kept, _ in cache._store.values():
+        assert not any(torch.is_tensor(v) or hasattr(v, "A") for v in kept.values())
+    again, m2 = fisher_curves(base, method, st, names, decompositions=cache)
+    fresh, m3 = fisher_curves(base, method, st, names)
+    assert cache.hits == len(names) and m1 == m2 == m3
+    for n in names:
+        assert torch.equal(first[n], again[n]) and torch.equal(first[n], fresh[n])

@@ -284,7 +284,7 @@ def fisher_curves(model: nn.Module, method: str, stats: CalibrationStats, names:
         dec, given = _decomposition(decompositions, mods[name], method, stats, name, mff_options=mff_options,
                                     min_alpha=min_alpha, regularization=regularization, alpha=alpha,
                                     asvd_alpha=asvd_alpha, device=device)
-        if "A" in given:  # the GFWSVD family already read MFF's factors: they are the metric
+        if "A" in given:  # a computed GFWSVD entry read MFF's factors: they are the metric
             A, B, metric = given["A"], given["B"], "mff"
         else:
             A, B, metric = _metric(stats, name, mff_options, device)

@@ -75,6 +75,14 @@ def _digest(arrays) -> str:
     return h.hexdigest()
 
 
+def _kept(given: dict) -> dict:
+    """What an entry keeps of a layer's statistics: the split-half intensities ``(lambda_A, lambda_B)``. The
+    factors and Grams are left to the calibration's cache: kept for every layer they would cost
+    ``8 (n^2 + m^2)`` bytes each (Qwen2.5-0.5B's K-FAC or MFF factors: about 15 GB), against the
+    ``8 (n + m) min(n, m)`` of the decomposition itself."""
+    return {k: v for k, v in given.items() if k == "shrinkage"}
+
+
 class Decompositions:
     """Each layer's full weighted SVD by a method, computed once and sliced for every rank asked.
 
@@ -108,8 +116,9 @@ class Decompositions:
         """The :class:`~fisherkron.core.wsvd.Decomposition` of ``module`` by ``method``, and the statistics read.
 
         Returns ``(decomposition, given)`` where ``given`` are the statistics
-        (:func:`~fisherkron.hf.sensitivity.layer_statistics`); ``info`` receives MFF's diagnostics for the
-        GFWSVD family.
+        (:func:`~fisherkron.hf.sensitivity.layer_statistics`) as read for this call; an entry keeps only their
+        small part (:func:`_kept`), so a memory hit's ``given`` lacks the factors and Grams, which a caller reads
+        from the calibration again. ``info`` receives MFF's diagnostics for the GFWSVD family.
         """
         W = module.weight
         key = (method, name, layer_fingerprint(module), str(W.dtype), str(W.device),
@@ -133,7 +142,7 @@ class Decompositions:
                                          min_alpha=min_alpha, regularization=regularization, asvd_alpha=asvd_alpha,
                                          device=device, info=mff_info)
             self._write(key, dec)
-        self._store[key] = (dec, given, mff_info)
+        self._store[key] = (dec, _kept(given), mff_info)
         if info is not None:
             info.update(mff_info)
         return dec, given
