@@ -358,7 +358,9 @@ def _scale(records: Records) -> tuple[str, str]:
     ours = (f"gap {last['gap_smallest']:+.2f} ({last['smallest']}) -> {last['gap_largest']:+.2f} "
             f"({last['largest']}), change {last['change']:+.2f} ± {last['se']:.2f}")
     if shrink:
-        ours += f"; shrinkage {shrink[-1]['shrunk_vs_plain']:+.2f} ± {shrink[-1]['se']:.2f} on {last['largest']}"
+        e = shrink[-1]
+        ours += (f"; shrinkage {e['shrunk_vs_plain']:+.2f} ± {e['se']:.2f} on {last['largest']} "
+                 f"at {100 * e['target']:g} %" + (f" ({e['allocation']} ranks)" if e.get("allocation") else ""))
     if any(t["grows"] for t in trends):
         return ours, "does not hold"
     hits = sum(t["shrinks"] for t in trends)
