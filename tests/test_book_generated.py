@@ -104,3 +104,28 @@ def test_the_cold_run_is_its_committed_runs_log_or_says_it_has_not_started(tmp_p
     assert "| yes | 1 | 0.50 |" in rows[0] and "| yes | 1 | 1.50 |" in rows[1] and "| no | 1 | 0.20 |" in rows[2]
     assert "In all: 2.20 h" in text and "2 of 13 notebooks finished" in text and "-core" in text
     assert str(tmp_path) not in text
+
+
+def test_where_a_finishing_run_spent_its_time_is_read_from_its_records_phases(tmp_path):
+    from fisherkron.repro.book.generated import phase_shares
+
+    figs = tmp_path / "figures"
+    figs.mkdir()
+    nb = "notebooks/tab_x.py"
+
+    def record(name, wall, phases):
+        rec = {"name": name, "notebook": nb, "wall_seconds": wall, "created_utc": "2026-01-01T00:00:00Z",
+               "files": [], "parameters": {}, "machine": {}, "git": None}
+        if phases is not None:
+            rec["phases"] = phases
+        (figs / f"{name}.provenance.json").write_text(json.dumps(rec), encoding="utf-8")
+
+    record("tab_x", 100.0, None)
+    assert phase_shares(Outputs(figs), "tab_x") == ""  # no phases recorded: nothing claimed
+    # the longest record of the run counts; shares of its wall time, largest first, the unphased rest named
+    record("tab_x_first", 50.0, {"calibration": 40.0})
+    record("tab_x_summary", 1000.0, {"sensitivity sweeps": 500.0, "calibration": 200.0, "scoring": 100.0,
+                                     "model loading": 1.0})
+    assert phase_shares(Outputs(figs), "tab_x") == ("sensitivity sweeps 50 %, calibration 20 %, scoring 10 %, "
+                                                    "outside the library's phases 20 %")
+    assert phase_shares(Outputs(figs), "tab_x", top=1) == "sensitivity sweeps 50 %, outside the library's phases 20 %"

@@ -13,7 +13,8 @@ committed files only (:mod:`.records` reads and formats them):
 * ``bench_decompositions.md``: the ``make bench-decompositions`` table;
 * ``bench_sweep.md``: the ``make bench-sweep`` tables;
 * ``cold_run.md``: the cold run's notebooks, their runs and wall time over all of them, from its committed
-  runs log (``data/ledger/cold/``, :mod:`fisherkron.repro.cold`).
+  runs log (``data/ledger/cold/``, :mod:`fisherkron.repro.cold`), and where each finishing run's time went
+  (its record's phases).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_t
 from .sources import pages
 
 __all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "bench_decompositions", "bench_sweep",
-           "cold_run", "write_generated"]
+           "phase_shares", "cold_run", "write_generated"]
 
 #: the folder, inside the book's source folder, that the pages include from
 FOLDER = "_generated"
@@ -136,16 +137,37 @@ def bench_sweep(out: Outputs, root: Path) -> str:
     return text
 
 
+def phase_shares(out: Outputs, notebook: str, top: int = 3) -> str:
+    """Where the committed run of ``notebook`` spent its wall time: its ``top`` largest phases (the library's
+    timed steps, :mod:`fisherkron.core.phases`, exclusive of each other) as shares of the run's wall time, read
+    from the record of that run with the longest wall time; "" when its records carry no phases.
+
+    Only the process that finished the notebook is counted: a resumed notebook's earlier runs filled caches
+    that this one read.
+    """
+    recs = [r for r in (out.record(n) for n in out.records(notebook)) if r.get("phases") and r.get("wall_seconds")]
+    if not recs:
+        return ""
+    rec = max(recs, key=lambda r: r["wall_seconds"])
+    wall, shares = rec["wall_seconds"], sorted(rec["phases"].items(), key=lambda kv: -kv[1])
+    parts = [f"{name} {100 * sec / wall:.0f} %" for name, sec in shares[:top] if sec >= 0.005 * wall]
+    rest = wall - sum(rec["phases"].values())
+    return ", ".join(parts + ([f"outside the library's phases {100 * rest / wall:.0f} %"] if rest > 0.05 * wall
+                              else []))
+
+
 def cold_run(out: Outputs, root: Path) -> str:
-    """Each notebook of the cold run: finished or not, its runs and their wall time in all, the machines, the total."""
+    """Each notebook of the cold run: finished or not, its runs and their wall time in all, where the finishing
+    run's time went (:func:`phase_shares`), the machines, the total."""
     book = root / "data" / "ledger" / "cold"
     rows = cold.costs(book)
     if not any(r["runs"] for r in rows):
         return "The cold run has not started on this checkout (`make cold-run`).\n"
     body = [[_page(r["notebook"], root), "yes" if r["finished"] else "no", num(r["runs"]),
-             num(r["seconds"] / 3600, 2) if r["runs"] else ""] for r in rows]
+             num(r["seconds"] / 3600, 2) if r["runs"] else "",
+             phase_shares(out, r["notebook"]) if r["finished"] else ""] for r in rows]
     total = sum(r["seconds"] for r in rows)
-    return (table(["notebook", "finished", "runs", "hours"], body)
+    return (table(["notebook", "finished", "runs", "hours", "where the finishing run's time went"], body)
             + f"\n\nIn all: {num(total / 3600, 2)} h of wall time, {sum(r['finished'] for r in rows)} of {len(rows)} "
             f"notebooks finished, on {' and '.join(ledger.run_machines(book))} (pauses for other measurements left "
             "out).\n")
