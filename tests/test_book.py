@@ -172,3 +172,31 @@ def test_the_committed_copy_shows_no_path_of_the_machine_that_ran_it(tmp_path):
     text = write_executed(src, tmp_path / "executed" / "t.ipynb").read_text()
     assert "/home/ann" not in text and "/srv/ci" not in text
     assert "figures/fig_x.png" in text and "data/cache/studies/x.json" in text
+
+
+def test_a_page_whose_code_changed_since_its_run_says_so():
+    def nb(*codes, injected=False):
+        cells = [nbformat.v4.new_markdown_cell("# T")]
+        if injected:
+            cells.append(nbformat.v4.new_code_cell("x = 2", metadata={"tags": ["injected-parameters"]}))
+        cells += [nbformat.v4.new_code_cell(c) for c in codes]
+        return nbformat.v4.new_notebook(cells=cells)
+
+    src = nb("x = 1", "print(x)\n")
+    assert sources.changed_code_cells(nb("x = 1", "print(x)", injected=True), src) == 0  # papermill's cell, spaces
+    assert sources.changed_code_cells(nb("x = 1", "print(x + 1)", injected=True), src) == 1
+    assert sources.changed_code_cells(nb("x = 1"), src) == 1  # a cell added since the run
+    assert sources.changed_code_cells(nb("y = 1", "print(y)", "z"), src) == 3
+
+
+def test_the_book_flags_an_executed_page_whose_code_changed(tmp_path):
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    run = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# The synthetic study"),
+                                          nbformat.v4.new_code_cell("1 + 1")])  # not the source's code
+    nbformat.write(run, executed / "fig_synthetic_correlations.ipynb")
+    sources.write_sources(tmp_path / "src", executed=executed)
+    page = nbformat.read(tmp_path / "src" / "fig_synthetic_correlations.ipynb", as_version=4)
+    result = page.cells[1].source
+    assert result.startswith("::::{admonition} Result") and "{admonition} The code changed since this run" in result
+    assert "`make fig_synthetic_correlations` runs it again" in result

@@ -30,7 +30,7 @@ from .. import claims
 from ..claims import table_cell as _cell  # one cell escape for every table of the book
 
 __all__ = ["PAGES", "KEY_FIGURE", "HEADLINE", "Page", "pages", "committed_outputs", "result_markdown",
-           "write_sources"]
+           "changed_code_cells", "write_sources"]
 
 #: every notebook, in the order of the paper's text: the teaching notebook, then the paper's items
 #: by section, the appendices, and the studies beyond the paper, each as (name, title in the book's
@@ -216,6 +216,18 @@ def _insert_result(nb: Any, page: Page, result: str) -> None:
     nb.cells.insert(1, _markdown_cell(result))
 
 
+def changed_code_cells(executed: Any, source: Any) -> int:
+    """How many code cells of the committed run ``executed`` differ from those of the notebook's ``source``
+    (both nbformat notebooks; papermill's injected parameter cell left out, a cell added or removed counts
+    once). Prose may change without a re-run; code may not without the page saying so."""
+    def code(nb: Any) -> list[str]:
+        return [c.source.strip() for c in nb.cells if c.cell_type == "code"
+                and "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
+
+    ran, now = code(executed), code(source)
+    return sum(a != b for a, b in zip(ran, now)) + abs(len(ran) - len(now))
+
+
 def _page_notebook(page: Page, root: Path, figures: Path, images: Path, items: list[dict]) -> Any:
     import jupytext
     import nbformat
@@ -230,6 +242,11 @@ def _page_notebook(page: Page, root: Path, figures: Path, images: Path, items: l
     if page.executed is not None:
         nb = read_committed(page.executed, lambda text: nbformat.reads(text, as_version=4),
                             what="an executed notebook (JSON)", remake=f"re-run `make {page.name}`")
+        changed = changed_code_cells(nb, jupytext.read(root / source))
+        if changed:
+            result += ("\n\n:::{admonition} The code changed since this run\n:class: warning\n"
+                       f"{changed} code cell(s) of `{source}` differ from the ones this committed run executed: the "
+                       f"outputs below come from the earlier code. `make {page.name}` runs it again.\n:::")
         _collapse_parameters(nb)
         _insert_result(nb, page, result)
         footer = (f"*This page is the committed run of `{source}` at the embedded default, "
