@@ -104,6 +104,14 @@ def test_the_cold_run_is_its_committed_runs_log_or_says_it_has_not_started(tmp_p
     assert "| yes | 1 | 0.50 |" in rows[0] and "| yes | 1 | 1.50 |" in rows[1] and "| no | 1 | 0.20 |" in rows[2]
     assert "In all: 2.20 h" in text and "2 of 13 notebooks finished" in text and "-core" in text
     assert str(tmp_path) not in text
+    assert "run apart" not in text
+    apart = tmp_path / "apart"  # the scale study's runs log, data/ledger/runs.jsonl
+    ledger.run_ended(ledger.run_started(cold.EXCLUDED[0], "default", cache=apart), True, 36000.0, cache=apart)
+    ledger.run_ended(ledger.run_started(cold.EXCLUDED[0], "smoke", cache=apart), True, 60.0, cache=apart)
+    ledger.save(apart, tmp_path / "data" / "ledger")
+    text = cold_run(out, tmp_path)
+    assert f"`{cold.EXCLUDED[0]}`" in text
+    assert "run apart with a budget of its own: 10.00 h of wall time over 1 run(s), finished" in text
 
 
 def test_where_a_finishing_run_spent_its_time_is_read_from_its_records_phases(tmp_path):

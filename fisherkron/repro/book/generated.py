@@ -161,8 +161,9 @@ def cold_run(out: Outputs, root: Path) -> str:
     run's time went (:func:`phase_shares`), the machines, the total."""
     book = root / "data" / "ledger" / "cold"
     rows = cold.costs(book)
+    apart = _run_apart(root)
     if not any(r["runs"] for r in rows):
-        return "The cold run has not started on this checkout (`make cold-run`).\n"
+        return "The cold run has not started on this checkout (`make cold-run`).\n" + apart
     body = [[_page(r["notebook"], root), "yes" if r["finished"] else "no", num(r["runs"]),
              num(r["seconds"] / 3600, 2) if r["runs"] else "",
              phase_shares(out, r["notebook"]) if r["finished"] else ""] for r in rows]
@@ -170,7 +171,17 @@ def cold_run(out: Outputs, root: Path) -> str:
     return (table(["notebook", "finished", "runs", "hours", "where the finishing run's time went"], body)
             + f"\n\nIn all: {num(total / 3600, 2)} h of wall time, {sum(r['finished'] for r in rows)} of {len(rows)} "
             f"notebooks finished, on {' and '.join(ledger.run_machines(book))} (pauses for other measurements left "
-            "out).\n")
+            "out).\n" + apart)
+
+
+def _run_apart(root: Path) -> str:
+    """A line per notebook run apart from the cold run (:data:`fisherkron.repro.cold.EXCLUDED`): its wall time
+    over all its runs at the default profile, from the studies' runs log (``data/ledger/``)."""
+    got = ledger.run_costs(root / "data" / "ledger")
+    lines = [f"{_page(n, root)}, run apart with a budget of its own: {num(got[n]['seconds'] / 3600, 2)} h of wall "
+             f"time over {num(got[n]['runs'])} run(s), {'finished' if got[n]['finished'] else 'not finished'} "
+             "(pauses for other measurements left out)." for n in cold.EXCLUDED if got.get(n, {}).get("runs")]
+    return "".join(f"\n{line}\n" for line in lines)
 
 
 _PAGES = {"verify_record": verify_table, "notebook_costs": notebook_costs, "bench": bench,
