@@ -187,6 +187,7 @@ def test_a_page_whose_code_changed_since_its_run_says_so():
     assert sources.changed_code_cells(nb("x = 1", "print(x + 1)", injected=True), src) == 1
     assert sources.changed_code_cells(nb("x = 1"), src) == 1  # a cell added since the run
     assert sources.changed_code_cells(nb("y = 1", "print(y)", "z"), src) == 3
+    assert sources.changed_code_cells(nb("x = 1", "print(x)"), nb("x = 1", "import os", "print(x)")) == 1  # inserted
 
 
 def test_the_book_flags_an_executed_page_whose_code_changed(tmp_path):

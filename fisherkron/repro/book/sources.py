@@ -218,14 +218,17 @@ def _insert_result(nb: Any, page: Page, result: str) -> None:
 
 def changed_code_cells(executed: Any, source: Any) -> int:
     """How many code cells of the committed run ``executed`` differ from those of the notebook's ``source``
-    (both nbformat notebooks; papermill's injected parameter cell left out, a cell added or removed counts
-    once). Prose may change without a re-run; code may not without the page saying so."""
+    (both nbformat notebooks; papermill's injected parameter cell left out; cells aligned as ``difflib`` aligns
+    lines, so a cell added, removed or edited counts once). Prose may change without a re-run; code may not
+    without the page saying so."""
+    import difflib
+
     def code(nb: Any) -> list[str]:
         return [c.source.strip() for c in nb.cells if c.cell_type == "code"
                 and "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
 
-    ran, now = code(executed), code(source)
-    return sum(a != b for a, b in zip(ran, now)) + abs(len(ran) - len(now))
+    ops = difflib.SequenceMatcher(a=code(executed), b=code(source), autojunk=False).get_opcodes()
+    return sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal")
 
 
 def _page_notebook(page: Page, root: Path, figures: Path, images: Path, items: list[dict]) -> Any:
