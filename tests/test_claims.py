@@ -135,3 +135,20 @@ def test_the_table_has_a_row_per_item_and_links_through_the_callable():
     assert all(re.search(r"\| \*\*(" + "|".join(claims.VERDICTS) + r")\*\* \|", line) for line in items)
     assert all(line.count(" | ") == 5 for line in items)  # six cells: no pipe of a cell leaks
     assert "[tab_ablation_diag](notebooks/executed/tab_ablation_diag.ipynb)" in table
+
+
+def test_the_scale_row_names_the_cut_and_the_shrinkage_it_reports():
+    def trend(change, **kw):
+        return {"models": 3, "smallest": "a", "largest": "c", "gap_smallest": 1.0, "gap_largest": 1.0 + change,
+                "change": change, "se": 0.1, "shrinks": change < -0.2, "grows": change > 0.2, **kw}
+
+    verdict = {"trend_0.1": trend(0.5), "trend_matched_cut": trend(0.6, reference_share=0.25),
+               "shrinkage": [{"model": "c", "target": 0.2, "allocation": "calibrated_kl", "shrunk_vs_plain": -0.3,
+                              "se": 0.05}]}
+    ours, v = claims._scale({"fig_scale_summary": {"extra": {"verdict": verdict}}})
+    assert v == "does not hold"
+    assert ours.startswith("gap at a matched cut (25 % of the block linears removed) +1.00 (a) -> +1.60 (c)")
+    assert ours.endswith("shrinkage -0.30 ± 0.05 on c at 20 % (calibrated_kl ranks)")
+    verdict = {"trend_0.1": trend(-0.5), "trend_0.2": trend(-0.4)}  # no matched cut, no shrinkage
+    ours, v = claims._scale({"fig_scale_summary": {"extra": {"verdict": verdict}}})
+    assert v == "holds" and ours == "gap +1.00 (a) -> +0.60 (c), change -0.40 ± 0.10"

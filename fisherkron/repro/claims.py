@@ -355,7 +355,9 @@ def _scale(records: Records) -> tuple[str, str]:
         return "one model: no trend", "cannot tell"
     last = trends[-1]
     shrink = [e for e in v.get("shrinkage", []) if e["model"] == last["largest"]]
-    ours = (f"gap {last['gap_smallest']:+.2f} ({last['smallest']}) -> {last['gap_largest']:+.2f} "
+    cut = (f" at a matched cut ({100 * last['reference_share']:.0f} % of the block linears removed)"
+           if "reference_share" in last else "")
+    ours = (f"gap{cut} {last['gap_smallest']:+.2f} ({last['smallest']}) -> {last['gap_largest']:+.2f} "
             f"({last['largest']}), change {last['change']:+.2f} ± {last['se']:.2f}")
     if shrink:
         e = shrink[-1]
