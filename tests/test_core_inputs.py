@@ -1,6 +1,6 @@
 """What the core accepts: fisherkron's own 16-bit gradient files, and one-line refusals for everything else.
 
-Issue 20, classes 6 and 8: a float16 calibration file was factorised without its per-gradient
+Inputs once mishandled: a float16 calibration file was factorised without its per-gradient
 scales (A (x) B 8e6 times too large) and a bfloat16 one refused as "uint16 values"; complex and
 non-tensor gradients, negative-definite factors, mismatched shapes and a string ``min_speedup``
 ended in a raw traceback or were accepted silently.

@@ -2,7 +2,7 @@
 
 Two fast smoke notebooks are each executed twice (papermill, as `make smoke` runs them, into
 temporary folders with empty caches) and every table they write is compared with
-:func:`fisherkron.repro.verify.compare_frames`, the comparison `make verify` uses, with every
+:func:`fisherkron.repro.compare.compare_frames`, the comparison `make verify` uses, with every
 column that is not declared ``timing`` required to be equal. The synthetic notebook trains MLPs
 from seeds (accuracies, standard errors, Fisher shares); the runtime notebook runs MFF on
 seeded synthetic gradients (Lanczos product counts, error estimates, FLOP counts). About 25 s

@@ -293,7 +293,7 @@ def test_main_table_bolds_the_best_per_block_and_latex_sets_it():
 
 
 def test_decoder_tolerances_are_a_multiple_of_the_printed_standard_error():
-    """Issue 24's rule: an accuracy printed with one evaluation's standard error is held to that standard error
+    """The decoder tables' rule: an accuracy printed with one evaluation's standard error is held to that standard error
     (and one example of 40); a seed mean to three standard errors of the mean on top of the column's own
     tolerance. The cells are tab_llm_compression_main's and tab_extra_compression_results' own."""
     from fisherkron.repro.verify import compare_frames

@@ -16,7 +16,7 @@ import torch
 
 import fisherkron as fk
 from fisherkron.core.conventions import FisherkronError
-from fisherkron.repro import figures, verify
+from fisherkron.repro import compare, figures, verify
 from fisherkron.repro import tolerance as T
 from fisherkron.repro.verify_tolerances import TOLERANCES
 
@@ -335,7 +335,7 @@ def test_the_converted_model_folder_follows_fisherkron_models(tmp_path, monkeypa
 
 
 def test_text_cells_read_thousands_separators_and_ignore_the_best_value_emphasis():
-    """Stop 35's tab_extra verify: "3,327 ± 825" against "4,259 ± 782" was read as the numbers 3, 327
+    """A tab_extra_compression_results verify: "3,327 ± 825" against "4,259 ± 782" was read as the numbers 3, 327
     and 825 (|diff| 1 for 3 against 4), and a bold moved to a tied neighbour failed as a changed word."""
     tol = {"ppl": "rel=0.05"}
     ref = pd.DataFrame({"ppl": ["3,327 ± 825", "**94,632 ± 15,436**"]})
@@ -351,7 +351,7 @@ def test_text_cells_read_thousands_separators_and_ignore_the_best_value_emphasis
 
 
 def test_printed_numbers_are_compared_within_their_printing_unit():
-    """Stop 35's tab_extra verify failed "0.562 ± 0.018" -> "0.613 ± 0.053" at abs=0.05: the seed means
+    """A tab_extra_compression_results verify failed "0.562 ± 0.018" -> "0.613 ± 0.053" at abs=0.05: the seed means
     are 0.5625 and 0.6125 (accuracies in steps of 1/40, averaged over two seeds), 0.05 apart, printed
     0.051 apart; and "0.175" -> "0.225" failed on float rounding (|diff| 0.05000000000000002)."""
     tol = {"acc": "abs=0.05"}
@@ -368,4 +368,4 @@ def test_printed_numbers_are_compared_within_their_printing_unit():
     num = pd.DataFrame({"acc": [0.225]})
     assert verify.compare_frames("t", num, num.assign(acc=[0.275]), tol).status == "PASS"
     assert verify.compare_frames("t", num, num.assign(acc=[0.2751]), tol).status == "FAIL"
-    assert [verify._unit(x) for x in ("0.263", "94,632", "1.5e+03", "7.")] == [0.001, 1.0, 100.0, 1.0]
+    assert [compare._unit(x) for x in ("0.263", "94,632", "1.5e+03", "7.")] == [0.001, 1.0, 100.0, 1.0]

@@ -129,7 +129,7 @@ def find_row(rows: list[dict], method: str, allocation: str, ratio: float) -> di
 
 def target(rows: list[dict], methods, ratios, *, metric: str = "ppl_ptb", calibrated: str = "calibrated",
            eval_share: float = 1 / 3) -> dict:
-    """Issue 22's target, per method and ratio: the ``calibrated`` allocation's ``metric`` at most the better of
+    """The study's target, per method and ratio: the ``calibrated`` allocation's ``metric`` at most the better of
     the sensitivity sweep's and the fisher allocation's, with at most ``eval_share`` of the sweep's evaluations,
     and ahead of LEMS. Each check is ``None`` where a row it needs is missing (an unreachable ratio).
 
