@@ -141,7 +141,9 @@ def run_ended(run: str, ok: bool, seconds: float, cpu_seconds: float | None = No
 
 def run_paused(run: str, seconds: float, cache: Path | None = None) -> None:
     """Log that run ``run`` was stopped (``SIGSTOP``) for ``seconds``, e.g. while the machine measured something
-    else: :func:`run_costs` leaves those seconds out.
+    else: :func:`run_costs` leaves those seconds out. Stop every process of the run by pid (``kill -STOP``), the
+    notebook's kernel included: papermill starts the kernel in a session of its own, so a signal to the ``make``
+    process group leaves it computing, and the seconds logged would not have been a pause.
 
     Refused in one line, with nothing logged, for a run the log does not know or a pause that is negative, not a
     number, or longer than the run has existed (a shell variable left empty makes ``now - start`` a timestamp)."""
