@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget; larger inputs are streamed")
     f.add_argument("--float64", action="store_true", help="compute in float64 (slower, reference accuracy)")
     f.set_defaults(func=_factorize)
-    from .compress import add_compress_command
+    from .compress_parser import add_compress_command
     from .evaluate import add_evaluate_command
     add_compress_command(sub, _verbosity_options)
     add_evaluate_command(sub, _verbosity_options)
