@@ -12,7 +12,7 @@ carries no measured number.
 
 * :func:`render` rewrites the blocks of a README text; :func:`check` names the blocks that differ;
 * ``python -m fisherkron.repro.readme [--check] [README.md]`` (``make readme``, ``make readme-check``);
-  ``tests/test_readme.py`` runs the check, so ``make test`` fails while README.md and ``figures/``
+  ``tests/test_front_page.py`` runs the check, so ``make test`` fails while README.md and ``figures/``
   disagree.
 """
 from __future__ import annotations
