@@ -15,7 +15,7 @@
 #   $(eval $(call notebook,tab_bert_glue,$(call tab,tab_glue_results) $(call fig,fig_bert_glue_avg),data/x.json))
 #   tab_bert_glue: ## Tab. glue_results + Fig. bert_glue_avg (Sec. 6.2)
 # Arguments: notebook name; the files it writes (`fig`/`tab` list the files of
-# a figure/table saved with fisherkron.figures.save_figure/save_table); extra
+# a figure/table saved with fisherkron.repro.figures.save_figure/save_table); extra
 # prerequisites (data it reads). The notebook's outputs are one grouped target
 # whose prerequisites are the notebook, its params file, the core sources and
 # the extra prerequisites, so an edit rebuilds exactly that notebook and a
@@ -33,7 +33,7 @@ FIGDIR ?= $(or $(FIGDIR_$(PROFILE)),build/$(PROFILE)/figures)
 # module lists that module ($(EXP)/<module>.py).
 NOTEBOOKS :=
 
-# The files of a figure / a table written by fisherkron.figures (with provenance records).
+# The files of a figure / a table written by fisherkron.repro.figures (with provenance records).
 fig = $(foreach s,$1,$(FIGDIR)/$s.png $(FIGDIR)/$s.pdf $(FIGDIR)/$s.provenance.json)
 tab = $(foreach s,$1,$(FIGDIR)/$s.csv $(FIGDIR)/$s.md $(FIGDIR)/$s.tex $(FIGDIR)/$s.provenance.json)
 

@@ -9,7 +9,7 @@ is the leading singular triplet ``(sigma_1, u_1, v_1)`` of the rearranged
 Fisher ``R(F)`` (Van Loan & Pitsianis 1993): ``A = sqrt(sigma_1) mat(u_1)``
 (``m x m``) and ``B = sqrt(sigma_1) mat(v_1)`` (``n x n``). The triplet is
 found with Golub-Kahan-Lanczos bidiagonalisation on the matrix-free operator
-of :mod:`fisherkron.operators` (the paper uses ARPACK through ``svds``).
+of :mod:`fisherkron.core.operators` (the paper uses ARPACK through ``svds``).
 
 Speed comes from needing few products: the iteration starts from the K-FAC
 output factor ``B`` (or a previous solution), or by default from the identity
@@ -241,10 +241,10 @@ class _GolubKahan:
         """Re-orthogonalise and normalise a new Krylov vector (float64).
 
         Symmetric products return exactly symmetric matrices (see
-        :func:`fisherkron.operators._sym_gemm_nt`) and linear combinations of
+        :func:`fisherkron.core.operators._sym_gemm_nt`) and linear combinations of
         them stay exactly symmetric, so no symmetrisation is needed here. These
         are memory-bound vector operations; on the CPU small ones run on one
-        thread (see :func:`fisherkron.operators._single_thread`).
+        thread (see :func:`fisherkron.core.operators._single_thread`).
         """
         with _single_thread(w.device, w.numel()):
             w = self._orth(w, basis)

@@ -8,7 +8,7 @@ r"""Evaluation of compressed models (paper Sec. 6): perplexity, GLUE-style metri
 * :func:`classification_metrics` -- accuracy, F1, MCC (scikit-learn) and
   Pearson/Spearman (scipy), the GLUE metrics of App. "Extended GLUE results".
 * :func:`run_lm_eval` -- lm-eval zero-/few-shot runs of an in-memory model on
-  the local task YAMLs of :mod:`fisherkron.lm_eval_tasks`.
+  the local task YAMLs of :mod:`fisherkron.hf.lm_eval_tasks`.
 """
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ def run_lm_eval(model, tokenizer, tasks, *, num_fewshot: int | None = 0, limit: 
     of a paired difference is far below that of two independent accuracies).
 
     Args:
-        tasks: names from :data:`fisherkron.lm_eval_tasks.LOCAL_TASKS` (``"mmlu"`` is the
+        tasks: names from :data:`fisherkron.hf.lm_eval_tasks.LOCAL_TASKS` (``"mmlu"`` is the
             57-subject group; single subjects are ``"mmlu_<subject>"``).
         num_fewshot: 0 for the zero-shot suite, 5 for MMLU (the paper's protocol).
         limit: examples per task (CPU runs); ``None`` = all.
