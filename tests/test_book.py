@@ -57,6 +57,29 @@ def test_strip_volatile_keeps_what_a_reader_sees_and_nothing_that_changes_per_ru
     assert nb["metadata"]["papermill"]["duration"] == 1.5  # the input is not modified
 
 
+def test_a_cells_stderr_is_kept_settled_each_bar_at_its_last_state():
+    """A sweep's nested progress bars write thousands of stderr outputs (carriage returns, cursor-up escapes)
+    and a library repeats its warning in every case; the committed copy keeps one output per run of them: each
+    bar once at its last state, each warning once, no control character. stdout and displays are left as they
+    were, in their order."""
+    bar = []
+    for i in range(300):  # an outer bar and a nested one below it, as tqdm writes them, and a warning per case
+        bar += [f"\rcases: {i // 3:3d}%|#| {i}/300", "\n", f"\rsweep: {i % 7}it [00:0{i % 7}]", "\x1b[A",
+                "\x1b[33mkwarg is not a str\x1b[0m\n"]
+    bar += ["\n", "\r" + " " * 20, "\x1b[A", "\rcases: 100%|#| 300/300", "\n"]
+    stream = [{"output_type": "stream", "name": "stderr", "text": s} for s in bar]
+    table = {"output_type": "display_data", "data": {"text/plain": ["x"]}, "metadata": {}}
+    said = {"output_type": "stream", "name": "stdout", "text": ["\rkept as printed\n", "\n"]}
+    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": "code", "id": "a", "source": "run()", "execution_count": 1, "metadata": {},
+         "outputs": stream + [table, said] + [{"output_type": "stream", "name": "stderr", "text": "\n\n"}]}]}
+    out = strip_volatile(nb)["cells"][0]["outputs"]
+    assert out[0] == {"output_type": "stream", "name": "stderr",
+                      "text": "cases: 100%|#| 300/300\nsweep: 5it [00:05]\nkwarg is not a str\n"}
+    assert out[1:] == [table, said]  # the empty stderr after them is gone
+    assert strip_volatile(strip_volatile(nb)) == strip_volatile(nb)
+
+
 def test_write_executed_writes_a_valid_notebook_atomically(tmp_path):
     src = tmp_path / "run.ipynb"
     src.write_text(json.dumps(_papermill_notebook()))

@@ -6,7 +6,9 @@ would then differ on every cell. :func:`strip_volatile` keeps what a reader sees
 execution counts, tags, the injected parameters) and replaces the rest by stable values, so the
 diff of a re-run shows only what changed in the results. A path of the machine that ran it, left in
 an output (a list of the files a cell wrote, a library's warning), is written relative to the
-repository: what a reader sees does not depend on where the run happened.
+repository: what a reader sees does not depend on where the run happened. A cell's stderr (progress bars,
+warnings) is kept settled (:func:`settled_stderr`): each bar once, at its last state, and each warning once,
+not the thousands of updates, cursor moves and repeats a long run writes.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any
 
 from ...env import atomic_write, json_object, read_committed
 
-__all__ = ["VOLATILE_CELL_KEYS", "relative_paths", "strip_volatile", "write_executed"]
+__all__ = ["VOLATILE_CELL_KEYS", "relative_paths", "settled_stderr", "strip_volatile", "write_executed"]
 
 #: cell metadata written by the runners, different on every run
 VOLATILE_CELL_KEYS = ("execution", "papermill", "collapsed", "scrolled")
@@ -40,6 +42,67 @@ def relative_paths(text: str) -> str:
     'a ratio 1/2 and figures/ stay'
     """
     return _CHECKOUT.sub("", text)
+
+
+#: where a stream's line ends (a newline or a cursor move: a nested progress bar moves up and down), and any
+#: other escape sequence (a colour)
+_BREAK = re.compile(r"\n|\x1b\[[0-9;]*[ABEF]")
+_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b")
+#: a tqdm progress bar: its label (``desc``), then a percentage and bar, or a count of iterations
+_BAR = re.compile(r"^(?P<label>.*?)[: ]*(?:\d{1,3}%\||\d+(?:\.\d+)?[kMG]?it \[)")
+
+
+def settled_stderr(text: str) -> str:
+    """What a reader needs of a cell's stderr ``text``: each progress bar once, at its last state, and every
+    other line once, in the order they first appeared, with no control character.
+
+    A line is what a carriage return leaves of it (the text after the last one); a newline or a cursor move
+    ends it. Lines that are progress bars (tqdm's ``label: 42%|...|`` or ``label: 7it [...``) with the same
+    label are one bar, shown at its last update where it first appeared; a warning repeated in every case of a
+    study is shown once.
+
+    >>> settled_stderr("\\rbar: 0%|  | 0/2\\rbar: 50%|# | 1/2\\rbar: 100%|##| 2/2\\n")
+    'bar: 100%|##| 2/2\\n'
+    >>> settled_stderr("\\rall: 0%| | 0/2\\n\\rin: 1it [00:01]\\x1b[A\\rall: 50%| | 1/2\\nslow\\n\\rin: 2it [00:02]"
+    ...                "\\x1b[A\\rall: 100%| | 2/2\\nslow\\n\\x1b[31mdone\\x1b[0m")
+    'all: 100%| | 2/2\\nin: 2it [00:02]\\nslow\\ndone'
+    """
+    order: list[str] = []
+    last: dict[str, str] = {}
+    for segment in _BREAK.split(text):
+        line = _ESCAPE.sub("", segment.rsplit("\r", 1)[-1]).rstrip()
+        if not line.strip():
+            continue
+        bar = _BAR.match(line)
+        key = ("bar", bar["label"].strip()) if bar else ("line", line)
+        if key not in last:
+            order.append(key)
+        last[key] = line
+    shown = [last[k] for k in order]
+    return "\n".join(shown) + ("\n" if shown and text.endswith("\n") else "")
+
+
+def _settle_stderr(cell: dict[str, Any]) -> None:
+    """Each run of consecutive stderr outputs of ``cell`` becomes one, its :func:`settled_stderr`; an empty one
+    goes."""
+    outs, settled = cell.get("outputs", []), []
+    for out in outs:
+        if out.get("output_type") == "stream" and out.get("name") == "stderr":
+            text = "".join(out["text"]) if isinstance(out.get("text"), list) else out.get("text", "")
+            if settled and settled[-1].get("name") == "stderr" and settled[-1].get("output_type") == "stream":
+                settled[-1]["raw"] += text
+                continue
+            settled.append({"output_type": "stream", "name": "stderr", "raw": text})
+        else:
+            settled.append(out)
+    cell["outputs"] = []
+    for out in settled:
+        if "raw" in out:
+            text = settled_stderr(out.pop("raw"))
+            if not text:
+                continue
+            out["text"] = text
+        cell["outputs"].append(out)
 
 
 def _relative(value: Any) -> Any:
@@ -65,7 +128,7 @@ def _source(cell: dict[str, Any]) -> str:
 
 def strip_volatile(nb: dict[str, Any]) -> dict[str, Any]:
     """A copy of notebook ``nb`` (nbformat 4, as a dict) without timing, paths or random ids
-    (:func:`relative_paths` in its outputs).
+    (:func:`relative_paths` in its outputs), each cell's stderr settled (:func:`settled_stderr`).
 
     Cell ids become a hash of the cell's type and source (numbered when two cells are equal), so
     an unchanged cell keeps its id from one run to the next.
@@ -90,6 +153,8 @@ def strip_volatile(nb: dict[str, Any]) -> dict[str, Any]:
         cmeta = cell.setdefault("metadata", {})
         for key in VOLATILE_CELL_KEYS:
             cmeta.pop(key, None)
+        if cell.get("outputs"):
+            _settle_stderr(cell)
         _relative_outputs(cell)
         if "id" in cell:  # nbformat >= 4.5
             digest = hashlib.sha1(f"{cell['cell_type']}\n{_source(cell)}".encode()).hexdigest()[:8]
