@@ -99,6 +99,46 @@ def test_runs_log_counts_every_run_interrupted_ones_up_to_their_last_sign_of_lif
     assert ledger.restore(tmp_path / "elsewhere", book) == []  # the log is never copied back
 
 
+def test_a_lost_run_is_not_counted_by_the_log_a_later_run_of_its_notebook_rewrote(tmp_path):
+    """Every run of a notebook streams into the same progress log; once the next run has started, the log's time
+    is that run's, and the lost one keeps its last count."""
+    import os
+
+    cache, book = tmp_path / "cache", tmp_path / "ledger"
+    log = tmp_path / "fig_e.progress.log"
+    log.write_text("case 3 of 24")
+    first = ledger.run_started("fig_e", "default", progress=log, cache=cache)
+    events = [json.loads(x) for x in (cache / ledger.RUNS).read_text().splitlines()]
+    events[0]["pid"], events[0]["t"] = 2 ** 22 + 12345, events[0]["t"] - 7200  # gone; started two hours ago
+    events.append({"event": "alive", "run": first, "seconds": 1800.0, "t": events[0]["t"] + 1800})
+    (cache / ledger.RUNS).write_text("".join(json.dumps(e) + "\n" for e in events))
+    second = ledger.run_started("fig_e", "default", progress=log, cache=cache)  # resumed an hour later, same log
+    events = [json.loads(x) for x in (cache / ledger.RUNS).read_text().splitlines()]
+    events[-1]["t"] -= 3600
+    (cache / ledger.RUNS).write_text("".join(json.dumps(e) + "\n" for e in events))
+    log.write_text("case 20 of 24")  # the second run writes the log now
+    ledger.run_ended(second, True, 3600.0, cache=cache)
+    ledger.save(cache, book)
+    assert ledger.run_costs(book)["fig_e"] == {"runs": 2, "seconds": 1800.0 + 3600.0, "finished": True}
+    os.utime(log, (events[0]["t"] + 2000, events[0]["t"] + 2000))  # a log left by the first run alone counts
+    assert ledger._close(events[0], events[-1]["t"], [events[0]])["seconds"] == 2000.0
+
+
+def test_a_running_notebook_logs_a_heartbeat(tmp_path):
+    import time
+
+    cache = tmp_path / "cache"
+    run = ledger.run_started("fig_f", "default", cache=cache)
+    with ledger.heartbeat(run, every=0.05, cache=cache):
+        time.sleep(0.3)
+    beats = [json.loads(x) for x in (cache / ledger.RUNS).read_text().splitlines()][1:]
+    assert len(beats) >= 2 and all(b["event"] == "alive" and b["run"] == run for b in beats)
+    assert 0.0 < beats[0]["seconds"] < beats[-1]["seconds"] < 1.0
+    n = len(beats)
+    time.sleep(0.15)  # the block has ended: no more beats
+    assert len((cache / ledger.RUNS).read_text().splitlines()) == n + 1
+
+
 def test_a_run_another_machine_counted_keeps_its_last_count(tmp_path, monkeypatch):
     import time
 

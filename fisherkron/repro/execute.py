@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"[notebook] {a.name}: its progress streams into {progress_log(a.name, build)} (tail -f)", flush=True)
     run = ledger.run_started(a.name, a.profile, progress=(REPO_ROOT / progress_log(a.name, build)).resolve())
-    ok, sec, cpu = execute(a.name, Path(a.figdir), build, profile=a.profile)
+    with ledger.heartbeat(run):  # a run that dies with its session is counted up to its last heartbeat
+        ok, sec, cpu = execute(a.name, Path(a.figdir), build, profile=a.profile)
     ledger.run_ended(run, ok, sec, cpu)
     if not ok:
         print(f"[notebook] {a.name} FAILED: see {build / f'{a.name}.failed.ipynb'}", file=sys.stderr)

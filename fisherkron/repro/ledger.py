@@ -44,6 +44,8 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..core.conventions import FisherkronError
@@ -139,6 +141,29 @@ def run_ended(run: str, ok: bool, seconds: float, cpu_seconds: float | None = No
              "time": _utc(now), "cpu_seconds": None if cpu_seconds is None else round(float(cpu_seconds), 1)})
 
 
+@contextmanager
+def heartbeat(run: str, every: float = 300.0, cache: Path | None = None) -> Iterator[None]:
+    """While the block runs, log that run ``run`` is alive every ``every`` seconds (its seconds since the block
+    began), so a run that dies with its machine or session is counted up to its last heartbeat, not only up to
+    the last save that saw it."""
+    import threading
+
+    path, t0, stop = Path(cache or data_root() / "cache") / RUNS, time.time(), threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            now = time.time()
+            _append(path, {"event": "alive", "run": run, "seconds": round(now - t0, 1), "t": now, "time": _utc(now)})
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{run}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def run_paused(run: str, seconds: float, cache: Path | None = None) -> None:
     """Log that run ``run`` was stopped (``SIGSTOP``) for ``seconds``, e.g. while the machine measured something
     else: :func:`run_costs` leaves those seconds out. Stop every process of the run by pid (``kill -STOP``), the
@@ -175,10 +200,11 @@ def _booted() -> float:
     return 0.0
 
 
-def _close(start: dict, now: float) -> dict | None:
+def _close(start: dict, now: float, events: list[dict] = ()) -> dict | None:
     """The closing event of a run that logged no end: ``alive`` (its process still runs here: counted up to
     ``now``), ``lost`` (gone: it ended at its progress log's last write), or ``None`` when this machine cannot
-    tell (another machine's run, its log gone with it)."""
+    tell (another machine's run, its log gone with it, or rewritten by a later run of the notebook in
+    ``events``); then its last count stands (:func:`heartbeat`'s, or an earlier save's)."""
     same_host = start.get("host") == socket.gethostname() and _booted() <= start["t"]  # not a later machine of that name
     if same_host and _pid_alive(int(start.get("pid") or 0), since=start["t"]):
         end, event = now, "alive"
@@ -186,8 +212,12 @@ def _close(start: dict, now: float) -> dict | None:
         log = Path(start["progress"]) if start.get("progress") else None
         if not same_host or log is None or not log.is_file() or log.stat().st_mtime < start["t"]:
             return None
+        later = [float(e["t"]) for e in events if e.get("event") == "start" and e.get("progress") == start["progress"]
+                 and float(e["t"]) > float(start["t"])]
+        if later and log.stat().st_mtime >= min(later):
+            return None  # the next run of the notebook writes the same log: its time is that run's
         end, event = log.stat().st_mtime, "lost"  # a quiet stretch before the end is not seen: the alive counts
-        # of earlier saves bound it from below (run_costs takes the largest count)
+        # of earlier saves and heartbeats bound it from below (run_costs takes the largest count)
     return {"event": event, "run": start["run"], "seconds": round(end - start["t"], 1), "t": end, "time": _utc(end)}
 
 
@@ -201,7 +231,7 @@ def _merge_runs(src: Path, dst: Path) -> bool:
     ended = {e["run"] for e in events if e.get("event") == "end"}
     now = time.time()
     for e in [e for e in events if e.get("event") == "start" and e["run"] not in ended]:
-        closing = _close(e, now)
+        closing = _close(e, now, events)
         lost = any(x.get("run") == e["run"] and x.get("event") == "lost" for x in events)
         if closing is not None and not lost:  # else the last count stands (a run that cannot be seen any more)
             new.append(closing)
