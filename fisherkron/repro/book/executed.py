@@ -67,8 +67,8 @@ def settled_stderr(text: str) -> str:
     ...                "\\x1b[A\\rall: 100%| | 2/2\\nslow\\n\\x1b[31mdone\\x1b[0m")
     'all: 100%| | 2/2\\nin: 2it [00:02]\\nslow\\ndone'
     """
-    order: list[str] = []
-    last: dict[str, str] = {}
+    order: list[tuple[str, str]] = []
+    last: dict[tuple[str, str], str] = {}
     for segment in _BREAK.split(text):
         line = _ESCAPE.sub("", segment.rsplit("\r", 1)[-1]).rstrip()
         if not line.strip():
