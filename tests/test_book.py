@@ -57,10 +57,10 @@ def test_strip_volatile_keeps_what_a_reader_sees_and_nothing_that_changes_per_ru
     assert nb["metadata"]["papermill"]["duration"] == 1.5  # the input is not modified
 
 
-def test_a_cells_stderr_is_kept_settled_each_bar_at_its_last_state():
+def test_a_cells_stderr_is_kept_settled_each_bar_at_the_furthest_it_got():
     """A sweep's nested progress bars write thousands of stderr outputs (carriage returns, cursor-up escapes)
     and a library repeats its warning in every case; the committed copy keeps one output per run of them: each
-    bar once at its last state, each warning once, no control character. stdout and displays are left as they
+    bar once at the furthest it got, each warning once, no control character. stdout and displays are left as they
     were, in their order."""
     bar = []
     for i in range(300):  # an outer bar and a nested one below it, as tqdm writes them, and a warning per case
@@ -75,7 +75,7 @@ def test_a_cells_stderr_is_kept_settled_each_bar_at_its_last_state():
          "outputs": stream + [table, said] + [{"output_type": "stream", "name": "stderr", "text": "\n\n"}]}]}
     out = strip_volatile(nb)["cells"][0]["outputs"]
     assert out[0] == {"output_type": "stream", "name": "stderr",
-                      "text": "cases: 100%|#| 300/300\nsweep: 5it [00:05]\nkwarg is not a str\n"}
+                      "text": "cases: 100%|#| 300/300\nsweep: 6it [00:06]\nkwarg is not a str\n"}
     assert out[1:] == [table, said]  # the empty stderr after them is gone
     assert strip_volatile(strip_volatile(nb)) == strip_volatile(nb)
 

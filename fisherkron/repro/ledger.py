@@ -20,10 +20,10 @@ copies cache files into the ledger where they are new or changed (a sweep that g
 
 **What a run split over machines cost.** Every notebook executed by ``make`` (:mod:`fisherkron.repro.execute`)
 appends a ``start`` and an ``end`` line to ``data/cache/runs.jsonl``, and an ``alive`` line every five minutes
-between them (:func:`heartbeat`); ``save`` merges them into the ledger's ``runs.jsonl``, closing each run that
-has no end: a run whose process is gone ends at the last write of its progress log (``lost``) unless a later
-run of the notebook has written that log since, one still running is counted up to the save (``alive``; a later save of the same
-machine counts it further; a machine that cannot see the run any more leaves its last count). A run's largest
+between them (:func:`heartbeat`); ``save`` merges them into the ledger's ``runs.jsonl``, closing each run that has
+no end: a run whose process is gone ends at the last write of its progress log (``lost``) unless a later run of the
+notebook has written that log since, one still running is counted up to the save (``alive``; a later save of the
+same machine counts it further; a machine that cannot see the run any more leaves its last count). A run's largest
 count stands: a progress log may go quiet well before its run is stopped. Time a run spent stopped
 (:func:`run_paused`) is left out. :func:`run_costs` adds up, per notebook, the wall seconds of every run of it,
 interrupted ones included: what a study that resumed from the ledger cost in all.

@@ -7,7 +7,7 @@ execution counts, tags, the injected parameters) and replaces the rest by stable
 diff of a re-run shows only what changed in the results. A path of the machine that ran it, left in
 an output (a list of the files a cell wrote, a library's warning), is written relative to the
 repository: what a reader sees does not depend on where the run happened. A cell's stderr (progress bars,
-warnings) is kept settled (:func:`settled_stderr`): each bar once, at its last state, and each warning once,
+warnings) is kept settled (:func:`settled_stderr`): each bar once, at the furthest it got, and each warning once,
 not the thousands of updates, cursor moves and repeats a long run writes.
 """
 from __future__ import annotations
@@ -50,6 +50,8 @@ _BREAK = re.compile(r"\n|\x1b\[[0-9;]*[ABEF]")
 _ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b")
 #: a tqdm progress bar: its label (``desc``), then a percentage and bar, or a count of iterations
 _BAR = re.compile(r"^(?P<label>.*?)[: ]*(?:\d{1,3}%\||\d+(?:\.\d+)?[kMG]?it \[)")
+#: how far a bar got: ``n`` of ``| n/total`` or of ``nit [``
+_DONE = re.compile(r"\|\s*(\d+)/|(\d+)it \[")
 
 
 def settled_stderr(text: str) -> str:
@@ -58,14 +60,15 @@ def settled_stderr(text: str) -> str:
 
     A line is what a carriage return leaves of it (the text after the last one); a newline or a cursor move
     ends it. Lines that are progress bars (tqdm's ``label: 42%|...|`` or ``label: 7it [...``) with the same
-    label are one bar, shown at its last update where it first appeared; a warning repeated in every case of a
-    study is shown once.
+    label are one bar, shown where it first appeared at the furthest it got (the last such update): a sweep's
+    bar that each case of a study opens again shows the case that did the work, not the last one, which found
+    it cached. A warning repeated in every case is shown once.
 
     >>> settled_stderr("\\rbar: 0%|  | 0/2\\rbar: 50%|# | 1/2\\rbar: 100%|##| 2/2\\n")
     'bar: 100%|##| 2/2\\n'
-    >>> settled_stderr("\\rall: 0%| | 0/2\\n\\rin: 1it [00:01]\\x1b[A\\rall: 50%| | 1/2\\nslow\\n\\rin: 2it [00:02]"
+    >>> settled_stderr("\\rall: 0%| | 0/2\\n\\rin: 2it [00:01]\\x1b[A\\rall: 50%| | 1/2\\nslow\\n\\rin: 0it [00:00]"
     ...                "\\x1b[A\\rall: 100%| | 2/2\\nslow\\n\\x1b[31mdone\\x1b[0m")
-    'all: 100%| | 2/2\\nin: 2it [00:02]\\nslow\\ndone'
+    'all: 100%| | 2/2\\nin: 2it [00:01]\\nslow\\ndone'
     """
     order: list[tuple[str, str]] = []
     last: dict[tuple[str, str], str] = {}
@@ -77,9 +80,17 @@ def settled_stderr(text: str) -> str:
         key = ("bar", bar["label"].strip()) if bar else ("line", line)
         if key not in last:
             order.append(key)
+        elif bar and _done(line) < _done(last[key]):
+            continue  # an earlier instance of this bar got further
         last[key] = line
     shown = [last[k] for k in order]
     return "\n".join(shown) + ("\n" if shown and text.endswith("\n") else "")
+
+
+def _done(line: str) -> int:
+    """How many iterations the progress bar ``line`` shows (0 if it does not say)."""
+    m = _DONE.search(line)
+    return int(m[1] or m[2]) if m else 0
 
 
 def _settle_stderr(cell: dict[str, Any]) -> None:
