@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -211,14 +212,15 @@ def _close(start: dict, now: float, events: list[dict] = ()) -> dict | None:
         end, event = now, "alive"
     else:
         log = Path(start["progress"]) if start.get("progress") else None
-        if not same_host or log is None or not log.is_file() or log.stat().st_mtime < start["t"]:
+        if not same_host or log is None or not log.is_file():
             return None
-        later = [float(e["t"]) for e in events if e.get("event") == "start" and e.get("progress") == start["progress"]
-                 and float(e["t"]) > float(start["t"])]
-        if later and log.stat().st_mtime >= min(later):
-            return None  # the next run of the notebook writes the same log: its time is that run's
+        # from the next start of a run of the notebook on, the log (the same file) is that run's
+        nxt = min((float(e["t"]) for e in events if e.get("event") == "start"
+                   and e.get("progress") == start["progress"] and float(e["t"]) > float(start["t"])), default=math.inf)
         end, event = log.stat().st_mtime, "lost"  # a quiet stretch before the end is not seen: the alive counts
         # of earlier saves and heartbeats bound it from below (run_costs takes the largest count)
+        if not start["t"] <= end < nxt:
+            return None
     return {"event": event, "run": start["run"], "seconds": round(end - start["t"], 1), "t": end, "time": _utc(end)}
 
 

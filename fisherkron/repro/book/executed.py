@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import re
 from pathlib import Path
 from typing import Any
@@ -96,24 +97,14 @@ def _done(line: str) -> int:
 def _settle_stderr(cell: dict[str, Any]) -> None:
     """Each run of consecutive stderr outputs of ``cell`` becomes one, its :func:`settled_stderr`; an empty one
     goes."""
-    outs, settled = cell.get("outputs", []), []
-    for out in outs:
-        if out.get("output_type") == "stream" and out.get("name") == "stderr":
-            text = "".join(out["text"]) if isinstance(out.get("text"), list) else out.get("text", "")
-            if settled and settled[-1].get("name") == "stderr" and settled[-1].get("output_type") == "stream":
-                settled[-1]["raw"] += text
-                continue
-            settled.append({"output_type": "stream", "name": "stderr", "raw": text})
-        else:
-            settled.append(out)
-    cell["outputs"] = []
-    for out in settled:
-        if "raw" in out:
-            text = settled_stderr(out.pop("raw"))
-            if not text:
-                continue
-            out["text"] = text
-        cell["outputs"].append(out)
+    outputs = []
+    for stderr, run in itertools.groupby(cell["outputs"], key=lambda o: (o.get("output_type"), o.get("name"))
+                                         == ("stream", "stderr")):
+        if not stderr:
+            outputs += run
+        elif text := settled_stderr("".join(_joined(o.get("text", "")) for o in run)):
+            outputs.append({"output_type": "stream", "name": "stderr", "text": text})
+    cell["outputs"] = outputs
 
 
 def _relative(value: Any) -> Any:
@@ -132,9 +123,13 @@ def _relative_outputs(cell: dict[str, Any]) -> None:
                 out["data"][kind] = _relative(value)
 
 
+def _joined(text: str | list[str]) -> str:
+    """A notebook's multiline string (a source, a stream's text), stored as one string or a list of lines."""
+    return "".join(text) if isinstance(text, list) else text
+
+
 def _source(cell: dict[str, Any]) -> str:
-    src = cell.get("source", "")
-    return "".join(src) if isinstance(src, list) else src
+    return _joined(cell.get("source", ""))
 
 
 def strip_volatile(nb: dict[str, Any]) -> dict[str, Any]:
