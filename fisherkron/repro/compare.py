@@ -21,7 +21,7 @@ from typing import Any
 from . import tolerance as T
 
 __all__ = ["Failure", "TableReport", "compare_frames", "compare_table", "compare_notebook", "tables_of",
-           "declared_tolerances"]
+           "declared_tolerances", "check_committed"]
 
 #: a number in a text cell, thousands separators included ("94,632 ± 15,436" is two numbers, not four)
 _NUM = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+(?:\.\d*)?|\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -130,6 +130,17 @@ def tables_of(folder: Path, notebook: str | None = None, committed: bool = True)
         if notebook is None or rec.get("notebook") == f"notebooks/{notebook}.py":
             out.append(csv.stem)
     return out
+
+
+def check_committed(ref_dir: Path, notebooks: list[str]) -> int:
+    """Read every committed table of ``notebooks`` and every provenance record in ``ref_dir`` (which say which
+    table is whose): a damaged one raises the one-line error before anything runs. The tables read."""
+    wanted, n = {f"notebooks/{nb}.py" for nb in notebooks}, 0
+    for csv in sorted(Path(ref_dir).glob("*.csv")):
+        if _record(ref_dir, csv.stem).get("notebook") in wanted:
+            _read_csv(csv)
+            n += 1
+    return n
 
 
 # -- comparing ------------------------------------------------------------------------------

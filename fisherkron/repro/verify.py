@@ -61,24 +61,13 @@ from typing import Any
 
 from ..core.conventions import FisherkronError
 from ..env import REPO_ROOT, OtherLoad, atomic_write, file_checksum, json_object, read_committed
-from .compare import (Failure, TableReport, _read_csv, _record, compare_frames, compare_notebook,
-                      compare_table, declared_tolerances, tables_of)
+from .compare import (Failure, TableReport, check_committed, compare_frames, compare_notebook, compare_table,
+                      declared_tolerances, tables_of)
 from .execute import execute
 from .execute import rel as _rel
 
 __all__ = ["Failure", "TableReport", "compare_frames", "compare_table", "compare_notebook", "tables_of",
            "declared_tolerances", "notebook_record", "write_records", "read_record", "main"]
-
-
-def _check_committed(ref_dir: Path, notebooks: list[str]) -> int:
-    """Read every committed table of ``notebooks`` and every provenance record in ``ref_dir`` (which say which
-    table is whose): a damaged one raises the one-line error before anything runs. The tables read."""
-    wanted, n = {f"notebooks/{nb}.py" for nb in notebooks}, 0
-    for csv in sorted(Path(ref_dir).glob("*.csv")):
-        if _record(ref_dir, csv.stem).get("notebook") in wanted:
-            _read_csv(csv)
-            n += 1
-    return n
 
 
 # -- the committed record of each verification ---------------------------------------------------
@@ -285,7 +274,7 @@ def _main(argv: list[str] | None) -> int:
     if unknown:
         print(f"[verify] no notebook {', '.join(unknown)} in notebooks/", file=sys.stderr)
         return 2
-    _check_committed(ref, names)  # a damaged committed table or record: one line, before anything runs or is written
+    check_committed(ref, names)  # a damaged committed table or record: one line, before anything runs or is written
     scratch = (root / a.scratch) if not Path(a.scratch).is_absolute() else Path(a.scratch)
     figdir, nb_build, logs = scratch / "figures", scratch / "notebooks", scratch / "logs"
     from .figures import git_commit, machine_info
