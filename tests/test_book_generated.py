@@ -103,6 +103,8 @@ def test_the_cold_run_is_its_committed_runs_log_or_says_it_has_not_started(tmp_p
     assert len(rows) == len(cold.ORDER)
     assert "| yes | 1 | 0.50 |" in rows[0] and "| yes | 1 | 1.50 |" in rows[1] and "| no | 1 | 0.20 |" in rows[2]
     assert "In all: 2.20 h" in text and "2 of 13 notebooks finished" in text and "-core" in text
+    assert "The target, 6 h for all 13 notebooks, is 3.80 h away." in text
+    assert "finishing runs" not in text  # no record carries phases: nothing claimed about them
     assert str(tmp_path) not in text
     assert "run apart" not in text
     apart = tmp_path / "apart"  # the scale study's runs log, data/ledger/runs.jsonl
@@ -115,7 +117,7 @@ def test_the_cold_run_is_its_committed_runs_log_or_says_it_has_not_started(tmp_p
 
 
 def test_where_a_finishing_run_spent_its_time_is_read_from_its_records_phases(tmp_path):
-    from fisherkron.repro.book.generated import phase_shares
+    from fisherkron.repro.book.generated import phase_hours, phase_shares
 
     figs = tmp_path / "figures"
     figs.mkdir()
@@ -137,3 +139,10 @@ def test_where_a_finishing_run_spent_its_time_is_read_from_its_records_phases(tm
     assert phase_shares(Outputs(figs), "tab_x") == ("sensitivity sweeps 50 %, calibration 20 %, scoring 10 %, "
                                                     "outside the library's phases 20 %")
     assert phase_shares(Outputs(figs), "tab_x", top=1) == "sensitivity sweeps 50 %, outside the library's phases 20 %"
+    # the cold run's line sums each notebook's finishing record, in hours
+    record("tab_y", 7200.0, {"calibration": 3600.0, "scoring": 1800.0})
+    (figs / "tab_y.provenance.json").write_text(
+        (figs / "tab_y.provenance.json").read_text().replace("notebooks/tab_x.py", "notebooks/tab_y.py"))
+    assert phase_hours(Outputs(figs), ["tab_x", "tab_y"], top=2) == (
+        "The finishing runs of the 2 finished notebooks took 2.28 h, of which calibration 1.06 h, scoring 0.53 h; "
+        "the time of interrupted runs, whose caches the finishing runs read, is not split into phases.")

@@ -48,6 +48,8 @@ ORDER = ("kronecker_fisher_from_scratch", "fig_synthetic_correlations", "fig_tim
          "tab_glue_results")
 #: notebooks with a budget of their own, reported beside the cold run
 EXCLUDED = ("fig_scale",)
+#: the wall time a cold run of :data:`ORDER` should take on 2 cores, in hours
+TARGET_HOURS = 6.0
 STATE = "cold.json"
 
 

@@ -28,7 +28,7 @@ from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_t
 from .sources import pages
 
 __all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "bench_decompositions", "bench_sweep",
-           "phase_shares", "cold_run", "write_generated"]
+           "phase_shares", "phase_hours", "cold_run", "write_generated"]
 
 #: the folder, inside the book's source folder, that the pages include from
 FOLDER = "_generated"
@@ -137,6 +137,35 @@ def bench_sweep(out: Outputs, root: Path) -> str:
     return text
 
 
+def _finishing_record(out: Outputs, notebook: str) -> dict | None:
+    """The record of ``notebook``'s committed run with the longest wall time among those with phases (the one
+    that covers the run), or None."""
+    recs = [r for r in (out.record(n) for n in out.records(notebook)) if r.get("phases") and r.get("wall_seconds")]
+    return max(recs, key=lambda r: r["wall_seconds"]) if recs else None
+
+
+def phase_hours(out: Outputs, notebooks, top: int = 4) -> str:
+    """The ``top`` largest phases summed over the finishing runs of ``notebooks`` (:func:`phase_shares`'s
+    records), in hours, and the wall time of those runs: where the cold run's time went, in one line; "" when
+    none has phases. Interrupted runs are not split into phases: the caches they filled were read by these.
+
+    >>> phase_hours(Outputs(Path("/nonexistent")), ["tab_x"])
+    ''
+    """
+    recs = [r for r in (_finishing_record(out, n) for n in notebooks) if r is not None]
+    if not recs:
+        return ""
+    sums: dict[str, float] = {}
+    for rec in recs:
+        for name, sec in rec["phases"].items():
+            sums[name] = sums.get(name, 0.0) + sec
+    wall = sum(r["wall_seconds"] for r in recs)
+    parts = [f"{name} {num(sec / 3600, 2)} h" for name, sec in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
+    return (f"The finishing runs of the {len(recs)} finished notebooks took {num(wall / 3600, 2)} h, of which "
+            + ", ".join(parts) + "; the time of interrupted runs, whose caches the finishing runs read, is not split "
+            "into phases.")
+
+
 def phase_shares(out: Outputs, notebook: str, top: int = 3) -> str:
     """Where the committed run of ``notebook`` spent its wall time: its ``top`` largest phases (the library's
     timed steps, :mod:`fisherkron.core.phases`, exclusive of each other) as shares of the run's wall time, read
@@ -145,10 +174,9 @@ def phase_shares(out: Outputs, notebook: str, top: int = 3) -> str:
     Only the process that finished the notebook is counted: a resumed notebook's earlier runs filled caches
     that this one read.
     """
-    recs = [r for r in (out.record(n) for n in out.records(notebook)) if r.get("phases") and r.get("wall_seconds")]
-    if not recs:
+    rec = _finishing_record(out, notebook)
+    if rec is None:
         return ""
-    rec = max(recs, key=lambda r: r["wall_seconds"])
     wall, shares = rec["wall_seconds"], sorted(rec["phases"].items(), key=lambda kv: -kv[1])
     parts = [f"{name} {100 * sec / wall:.0f} %" for name, sec in shares[:top] if sec >= 0.005 * wall]
     rest = wall - sum(rec["phases"].values())
@@ -167,11 +195,16 @@ def cold_run(out: Outputs, root: Path) -> str:
     body = [[_page(r["notebook"], root), "yes" if r["finished"] else "no", num(r["runs"]),
              num(r["seconds"] / 3600, 2) if r["runs"] else "",
              phase_shares(out, r["notebook"]) if r["finished"] else ""] for r in rows]
-    total = sum(r["seconds"] for r in rows)
+    total, finished = sum(r["seconds"] for r in rows), sum(r["finished"] for r in rows)
+    over = total / 3600 - cold.TARGET_HOURS
+    target = (f"The target, {num(cold.TARGET_HOURS)} h for all {len(rows)} notebooks, is "
+              + (f"exceeded by {num(over, 2)} h" + ("" if finished == len(rows) else " already")
+                 if over > 0 else "met" if finished == len(rows) else f"{num(-over, 2)} h away"))
+    spent = phase_hours(out, [r["notebook"] for r in rows if r["finished"]])
     return (table(["notebook", "finished", "runs", "hours", "where the finishing run's time went"], body)
-            + f"\n\nIn all: {num(total / 3600, 2)} h of wall time, {sum(r['finished'] for r in rows)} of {len(rows)} "
+            + f"\n\nIn all: {num(total / 3600, 2)} h of wall time, {finished} of {len(rows)} "
             f"notebooks finished, on {' and '.join(ledger.run_machines(book))} (pauses for other measurements left "
-            "out).\n" + apart)
+            f"out). {target}." + (f" {spent}" if spent else "") + "\n" + apart)
 
 
 def _run_apart(root: Path) -> str:
