@@ -19,6 +19,7 @@ committed files only (:mod:`.records` reads and formats them):
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from pathlib import Path
 
 from ...env import REPO_ROOT, atomic_write
@@ -155,12 +156,11 @@ def phase_hours(out: Outputs, notebooks, top: int = 4) -> str:
     recs = [r for r in (_finishing_record(out, n) for n in notebooks) if r is not None]
     if not recs:
         return ""
-    sums: dict[str, float] = {}
+    sums: Counter[str] = Counter()
     for rec in recs:
-        for name, sec in rec["phases"].items():
-            sums[name] = sums.get(name, 0.0) + sec
+        sums.update(rec["phases"])
     wall = sum(r["wall_seconds"] for r in recs)
-    parts = [f"{name} {num(sec / 3600, 2)} h" for name, sec in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
+    parts = [f"{name} {num(sec / 3600, 2)} h" for name, sec in sums.most_common(top)]
     return (f"The finishing runs of the {len(recs)} finished notebooks took {num(wall / 3600, 2)} h, of which "
             + ", ".join(parts) + "; the time of interrupted runs, whose caches the finishing runs read, is not split "
             "into phases.")
@@ -196,15 +196,25 @@ def cold_run(out: Outputs, root: Path) -> str:
              num(r["seconds"] / 3600, 2) if r["runs"] else "",
              phase_shares(out, r["notebook"]) if r["finished"] else ""] for r in rows]
     total, finished = sum(r["seconds"] for r in rows), sum(r["finished"] for r in rows)
-    over = total / 3600 - cold.TARGET_HOURS
-    target = (f"The target, {num(cold.TARGET_HOURS)} h for all {len(rows)} notebooks, is "
-              + (f"exceeded by {num(over, 2)} h" + ("" if finished == len(rows) else " already")
-                 if over > 0 else "met" if finished == len(rows) else f"{num(-over, 2)} h away"))
+    target = _against_target(total / 3600, finished == len(rows), len(rows))
     spent = phase_hours(out, [r["notebook"] for r in rows if r["finished"]])
     return (table(["notebook", "finished", "runs", "hours", "where the finishing run's time went"], body)
             + f"\n\nIn all: {num(total / 3600, 2)} h of wall time, {finished} of {len(rows)} "
             f"notebooks finished, on {' and '.join(ledger.run_machines(book))} (pauses for other measurements left "
             f"out). {target}." + (f" {spent}" if spent else "") + "\n" + apart)
+
+
+def _against_target(hours: float, done: bool, n: int) -> str:
+    """Where a cold run of ``n`` notebooks that took ``hours`` so far (all of them ``done`` or not) stands against
+    :data:`fisherkron.repro.cold.TARGET_HOURS`."""
+    over = hours - cold.TARGET_HOURS
+    if over > 0:
+        where = f"exceeded by {num(over, 2)} h" + ("" if done else " already")
+    elif done:
+        where = "met"
+    else:
+        where = f"{num(-over, 2)} h away"
+    return f"The target, {num(cold.TARGET_HOURS)} h for all {n} notebooks, is {where}"
 
 
 def _run_apart(root: Path) -> str:
