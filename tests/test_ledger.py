@@ -99,11 +99,12 @@ def test_runs_log_counts_every_run_interrupted_ones_up_to_their_last_sign_of_lif
     assert ledger.restore(tmp_path / "elsewhere", book) == []  # the log is never copied back
 
 
-def test_a_lost_run_is_not_counted_by_the_log_a_later_run_of_its_notebook_rewrote(tmp_path):
+def test_a_lost_run_is_not_counted_by_the_log_a_later_run_of_its_notebook_rewrote(tmp_path, monkeypatch):
     """Every run of a notebook streams into the same progress log; once the next run has started, the log's time
     is that run's, and the lost one keeps its last count."""
     import os
 
+    monkeypatch.setattr(ledger, "_booted", lambda: 0.0)  # the runs below started before a machine up for minutes
     cache, book = tmp_path / "cache", tmp_path / "ledger"
     log = tmp_path / "fig_e.progress.log"
     log.write_text("case 3 of 24")
@@ -172,3 +173,20 @@ def test_a_pause_that_cannot_be_is_refused_and_not_logged(tmp_path):
     assert (cache / ledger.RUNS).read_text() == before
     ledger.run_paused(run, 0.0, cache=cache)  # a pause as long as the run so far is fine
     assert '"paused"' in (cache / ledger.RUNS).read_text()
+
+
+def test_a_run_names_its_machine_with_the_cpus_vector_extensions(tmp_path, monkeypatch):
+    from fisherkron.repro import figures
+
+    assert figures.cpu_isa("fpu sse2 avx avx2 fma") == "AVX2"
+    assert figures.cpu_isa("avx2 avx512f avx512_bf16 amx_tile amx_bf16") == "AVX2, AVX-512, AVX-512 BF16, AMX"
+    assert figures.cpu_isa("fpu sse2") == "none"
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(ledger, "cpu_name", lambda: "AMD EPYC")
+    monkeypatch.setattr(ledger, "cpu_isa", lambda: "AVX2")
+    monkeypatch.setattr(ledger.os, "sched_getaffinity", lambda pid: {0, 1})
+    ledger.run_started("fig_f", "default", cache=cache)
+    with (cache / ledger.RUNS).open("a") as f:  # a run logged before the extensions were
+        f.write(json.dumps({"event": "start", "run": "old", "notebook": "fig_f", "profile": "default", "t": 1.0,
+                            "cpu": "Intel Xeon", "cores": 2}) + "\n")
+    assert ledger.run_machines(cache) == ["2-core AMD EPYC (AVX2)", "2-core Intel Xeon"]

@@ -40,7 +40,8 @@ from ..env import REPO_ROOT, atomic_write, csv_rows, json_object, read_committed
 from . import tolerance
 
 __all__ = ["repo_root", "output_dir", "save_figure", "save_table", "provenance",
-           "write_provenance", "read_provenance", "read_table", "latex_table", "machine_info", "git_commit"]
+           "write_provenance", "read_provenance", "read_table", "latex_table", "machine_info", "cpu_name", "cpu_isa",
+           "git_commit"]
 
 _T0 = time.perf_counter()  # import time of this module: the start of a notebook's clock by default
 
@@ -97,7 +98,8 @@ def git_commit(root: Path | None = None) -> dict[str, Any]:
     return {"commit": sha, "dirty": dirty}
 
 
-def _cpu_model() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what :mod:`platform` says."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
@@ -108,12 +110,37 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+#: the vector extensions that set a CPU's matrix-product rate, as /proc/cpuinfo flags them, and their names
+ISA = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"), ("amx_tile", "AMX"))
+
+
+def cpu_isa(flags: str | None = None) -> str | None:
+    """The matrix-product extensions of this CPU, comma-separated (``"AVX2"``, ``"AVX2, AVX-512, AMX"``), from
+    the ``flags`` line of ``/proc/cpuinfo`` (or ``flags`` given); ``None`` where the line cannot be read.
+
+    Two CPUs reported under one model name can differ here (AVX-512 doubles AVX2's vector width, AMX adds
+    matrix units), so wall times compare only between machines with the same extensions; ``"none"`` for a CPU
+    with none of :data:`ISA`."""
+    if flags is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as fh:
+                flags = next((line.split(":", 1)[1] for line in fh if line.lower().startswith("flags")), None)
+        except OSError:
+            flags = None
+    if flags is None:
+        return None
+    have = set(flags.split())
+    return ", ".join(name for flag, name in ISA if flag in have) or "none"
+
+
 def machine_info() -> dict[str, Any]:
-    """Platform, CPU model, usable cores, torch threads, GPU (if any) and library versions."""
+    """Platform, CPU model and its vector extensions, usable cores, torch threads, GPU (if any) and library
+    versions."""
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": sys.version.split()[0],
-        "cpu": _cpu_model(),
+        "cpu": cpu_name(),
+        "cpu_isa": cpu_isa(),
         "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     }
     try:

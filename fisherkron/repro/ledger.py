@@ -52,7 +52,7 @@ from pathlib import Path
 
 from ..core.conventions import FisherkronError
 from ..env import _pid_alive, atomic_write, data_root
-from .figures import _cpu_model
+from .figures import cpu_isa, cpu_name
 
 __all__ = ["KEPT", "RUNS", "ledger_root", "kept_files", "save", "restore", "run_started", "run_ended", "run_paused",
            "run_machines",
@@ -130,8 +130,9 @@ def run_started(notebook: str, profile: str, progress: Path | None = None, cache
     now = time.time()
     _append(Path(cache or data_root() / "cache") / RUNS,
             {"event": "start", "run": run, "notebook": notebook, "profile": profile, "t": now, "time": _utc(now),
-             "host": socket.gethostname(), "cpu": _cpu_model(), "cores": len(os.sched_getaffinity(0)),
-             "pid": os.getpid(), "progress": str(progress) if progress else None})
+             "host": socket.gethostname(), "cpu": cpu_name(), "isa": cpu_isa(),
+             "cores": len(os.sched_getaffinity(0)), "pid": os.getpid(),
+             "progress": str(progress) if progress else None})
     return run
 
 
@@ -273,10 +274,12 @@ def run_costs(ledger: Path | None = None, profile: str = "default") -> dict[str,
 
 
 def run_machines(ledger: Path | None = None, profile: str = "default") -> list[str]:
-    """The machines (``"<cores>-core <CPU model>"``) that the runs at ``profile`` in the ledger's log started on."""
+    """The machines (``"<cores>-core <CPU model> (<extensions>)"``, the extensions where logged) that the runs at
+    ``profile`` in the ledger's log started on."""
+    starts = [e for e in _read_runs(Path(ledger or ledger_root()) / RUNS)
+              if e.get("event") == "start" and e.get("profile") == profile]
     return sorted({f"{e.get('cores', '?')}-core {e.get('cpu') or 'unknown CPU'}"
-                   for e in _read_runs(Path(ledger or ledger_root()) / RUNS)
-                   if e.get("event") == "start" and e.get("profile") == profile})
+                   + (f" ({e['isa']})" if e.get("isa") else "") for e in starts})
 
 
 def restore(cache: Path | None = None, ledger: Path | None = None) -> list[str]:

@@ -162,12 +162,16 @@ def cpu_model(m: dict) -> str:
     return re.sub(r"\((R|TM)\)| Processor| CPU", "", str(m.get("cpu"))).strip()
 
 def machine_name(m: dict) -> str:
-    """``"2-core AMD EPYC"`` from a record's ``machine`` (its ``cpu`` and ``cpu_count``).
+    """``"2-core AMD EPYC"`` from a record's ``machine`` (its ``cpu`` and ``cpu_count``), with the CPU's vector
+    extensions where the record has them.
 
     >>> machine_name({"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2})
     '2-core Intel Xeon'
+    >>> machine_name({"cpu": "AMD EPYC", "cpu_count": 2, "cpu_isa": "AVX2"})
+    '2-core AMD EPYC (AVX2)'
     """
-    return f"{m.get('cpu_count')}-core {cpu_model(m)}"
+    isa = f" ({m['cpu_isa']})" if m.get("cpu_isa") else ""
+    return f"{m.get('cpu_count')}-core {cpu_model(m)}{isa}"
 
 def notebook_time(out: Outputs, notebook: str) -> str:
     """The wall time of a notebook's committed run (the latest of its records), or "not yet run"."""
