@@ -98,16 +98,18 @@ def git_commit(root: Path | None = None) -> dict[str, Any]:
     return {"commit": sha, "dirty": dirty}
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or what :mod:`platform` says."""
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first ``field`` line of ``/proc/cpuinfo``, or ``None`` where there is none."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return next((line.split(":", 1)[1].strip() for line in fh if line.lower().startswith(field)), None)
     except OSError:
-        pass
-    return platform.processor() or "unknown"
+        return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what :mod:`platform` says."""
+    return _cpuinfo("model name") or platform.processor() or "unknown"
 
 
 #: the vector extensions that set a CPU's matrix-product rate, as /proc/cpuinfo flags them, and their names
@@ -122,11 +124,7 @@ def cpu_isa(flags: str | None = None) -> str | None:
     matrix units), so wall times compare only between machines with the same extensions; ``"none"`` for a CPU
     with none of :data:`ISA`."""
     if flags is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8") as fh:
-                flags = next((line.split(":", 1)[1] for line in fh if line.lower().startswith("flags")), None)
-        except OSError:
-            flags = None
+        flags = _cpuinfo("flags")
     if flags is None:
         return None
     have = set(flags.split())
