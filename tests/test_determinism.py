@@ -43,3 +43,9 @@ def test_smoke_notebook_twice_gives_identical_tables_apart_from_timings(name, tm
                                     declared, identical=True)
         assert not rep.defaults, f"{table}: columns without a declared tolerance: {sorted(rep.defaults)}"
         assert rep.columns > 0 and rep.status == "PASS", "\n".join(f.line() for f in rep.failures)
+
+
+def test_make_test_leaves_out_of_its_smoke_run_exactly_the_notebooks_run_here():
+    """`make test` skips SMOKE_TWICE (mk/smoke.mk) in its smoke run because this file executes them twice."""
+    line = next(l for l in (ROOT / "mk" / "smoke.mk").read_text().splitlines() if l.startswith("SMOKE_TWICE :="))
+    assert sorted(line.split(":=", 1)[1].split()) == sorted(NOTEBOOKS)
