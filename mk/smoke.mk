@@ -4,11 +4,12 @@
 # that none starts last; under `make test` they share its TEST_JOBS job slots with pytest instead. Two
 # notebooks that need the same calibration entry collect it once: the second waits for the first. A run
 # longer than SMOKE_BUDGET_S seconds fails. The target is `make test` within 10 minutes on 2 cores, and the
-# smoke run is what ends last: 459 s beside pytest on an idle 2-core AMD EPYC once, but 676 s (pytest 538 s
-# beside it) on an idle 2-core AMD EPYC with AVX2 only, from empty caches, and 730 s there before the changes
-# of that measurement. The budget is set above the slower machine so that it catches a regression there
-# instead of failing every run; on those machines `make test` misses the 10-minute target.
-SMOKE_BUDGET_S ?= 780
+# smoke run is what ends last: 459 s beside pytest on an idle 2-core AMD EPYC once, but 676 s and 716 s in two
+# fresh clones (pytest 538 s and 571 s beside it) on an idle 2-core AMD EPYC with AVX2 only, from empty caches,
+# and 730 s there before the changes of that measurement; CI's machine ran that older set in 778 s. The budget
+# is set above the slower machines so that it catches a regression there instead of failing every run; on
+# those machines `make test` misses the 10-minute target.
+SMOKE_BUDGET_S ?= 840
 SMOKE_JOBS ?= 2
 TEST_JOBS ?= 2
 # the notebooks whose smoke run takes longest, longest first (each one's "[notebook] NAME took N s"); the others
@@ -21,7 +22,7 @@ SMOKE_TWICE := fig_synthetic_correlations fig_time_algo
 SMOKE_SKIP ?=
 
 .PHONY: smoke
-smoke: | $(STAMP) ## run every notebook with tiny parameters into build/smoke/ (fails over SMOKE_BUDGET_S, 780 s)
+smoke: | $(STAMP) ## run every notebook with tiny parameters into build/smoke/ (fails over SMOKE_BUDGET_S, 840 s)
 	@rm -rf build/smoke build/notebooks/smoke
 	@start=$$SECONDS; \
 	$(MAKE) --no-print-directory $(if $(findstring jobserver,$(MAKEFLAGS)),,-j$(SMOKE_JOBS)) --output-sync=target \
