@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -41,7 +42,7 @@ from . import tolerance
 
 __all__ = ["repo_root", "output_dir", "save_figure", "save_table", "provenance",
            "write_provenance", "read_provenance", "read_table", "latex_table", "machine_info", "cpu_name", "cpu_isa",
-           "git_commit"]
+           "cpu_model", "machine_label", "git_commit"]
 
 _T0 = time.perf_counter()  # import time of this module: the start of a notebook's clock by default
 
@@ -114,6 +115,27 @@ def cpu_name() -> str:
 
 #: the vector extensions that set a CPU's matrix-product rate, as /proc/cpuinfo flags them, and their names
 ISA = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"), ("amx_tile", "AMX"))
+
+
+def cpu_model(cpu: str | None) -> str:
+    """A CPU's model name as the book writes it: trademarks and "Processor" dropped.
+
+    >>> cpu_model("Intel(R) Xeon(R) Processor")
+    'Intel Xeon'
+    """
+    return re.sub(r"\((R|TM)\)| Processor| CPU", "", str(cpu or "unknown CPU")).strip()
+
+
+def machine_label(cores, cpu: str | None, isa: str | None = None) -> str:
+    """``"2-core AMD EPYC (AVX2)"``: a machine as provenance records and the runs log name it (the extensions
+    where recorded).
+
+    >>> machine_label(2, "Intel(R) Xeon(R) Processor")
+    '2-core Intel Xeon'
+    >>> machine_label(2, "AMD EPYC", "AVX2")
+    '2-core AMD EPYC (AVX2)'
+    """
+    return f"{cores if cores is not None else '?'}-core {cpu_model(cpu)}" + (f" ({isa})" if isa else "")
 
 
 def cpu_isa(flags: str | None = None) -> str | None:

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from ..core.conventions import FisherkronError
 from ..env import _pid_alive, atomic_write, data_root
-from .figures import cpu_isa, cpu_name
+from .figures import cpu_isa, cpu_name, machine_label
 
 __all__ = ["KEPT", "RUNS", "ledger_root", "kept_files", "save", "restore", "run_started", "run_ended", "run_paused",
            "run_machines",
@@ -278,8 +278,7 @@ def run_machines(ledger: Path | None = None, profile: str = "default") -> list[s
     ``profile`` in the ledger's log started on."""
     starts = [e for e in _read_runs(Path(ledger or ledger_root()) / RUNS)
               if e.get("event") == "start" and e.get("profile") == profile]
-    return sorted({f"{e.get('cores', '?')}-core {e.get('cpu') or 'unknown CPU'}"
-                   + (f" ({e['isa']})" if e.get("isa") else "") for e in starts})
+    return sorted({machine_label(e.get("cores"), e.get("cpu"), e.get("isa")) for e in starts})
 
 
 def restore(cache: Path | None = None, ledger: Path | None = None) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ...core.conventions import FisherkronError
 from ...env import file_checksum, read_committed
+from .. import figures
 from ..figures import read_provenance, read_table
 
 __all__ = ["Outputs", "num", "pct", "sci", "secs", "table", "machine_name", "notebook_time", "make_all_time",
@@ -154,24 +155,23 @@ def cpu(out: Outputs, name: str) -> str:
     return machine_name(out.record(name).get("machine", {}))
 
 def cpu_model(m: dict) -> str:
-    """``"Intel Xeon"`` from a record's ``machine`` (its ``cpu``, trademarks and "Processor" dropped).
+    """``"Intel Xeon"`` from a record's ``machine`` (:func:`fisherkron.repro.figures.cpu_model` of its ``cpu``).
 
     >>> cpu_model({"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2})
     'Intel Xeon'
     """
-    return re.sub(r"\((R|TM)\)| Processor| CPU", "", str(m.get("cpu"))).strip()
+    return figures.cpu_model(m.get("cpu"))
 
 def machine_name(m: dict) -> str:
     """``"2-core AMD EPYC"`` from a record's ``machine`` (its ``cpu`` and ``cpu_count``), with the CPU's vector
-    extensions where the record has them.
+    extensions where the record has them (:func:`fisherkron.repro.figures.machine_label`).
 
     >>> machine_name({"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2})
     '2-core Intel Xeon'
     >>> machine_name({"cpu": "AMD EPYC", "cpu_count": 2, "cpu_isa": "AVX2"})
     '2-core AMD EPYC (AVX2)'
     """
-    isa = f" ({m['cpu_isa']})" if m.get("cpu_isa") else ""
-    return f"{m.get('cpu_count')}-core {cpu_model(m)}{isa}"
+    return figures.machine_label(m.get("cpu_count"), m.get("cpu"), m.get("cpu_isa"))
 
 def notebook_time(out: Outputs, notebook: str) -> str:
     """The wall time of a notebook's committed run (the latest of its records), or "not yet run"."""
