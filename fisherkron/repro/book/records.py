@@ -16,8 +16,7 @@ from typing import Any
 
 from ...core.conventions import FisherkronError
 from ...env import file_checksum, read_committed
-from .. import figures
-from ..figures import read_provenance, read_table
+from ..figures import cpu_model, machine_label, read_provenance, read_table
 
 __all__ = ["Outputs", "num", "pct", "sci", "secs", "table", "machine_name", "notebook_time", "make_all_time",
            "verify_records", "changed_since", "other_cpu", "bench_table", "bench_minilm", "bench_targets",
@@ -154,14 +153,6 @@ def cpu(out: Outputs, name: str) -> str:
     """``"2-core AMD EPYC"``: the machine a record was made on."""
     return machine_name(out.record(name).get("machine", {}))
 
-def cpu_model(m: dict) -> str:
-    """``"Intel Xeon"`` from a record's ``machine`` (:func:`fisherkron.repro.figures.cpu_model` of its ``cpu``).
-
-    >>> cpu_model({"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2})
-    'Intel Xeon'
-    """
-    return figures.cpu_model(m.get("cpu"))
-
 def machine_name(m: dict) -> str:
     """``"2-core AMD EPYC"`` from a record's ``machine`` (its ``cpu`` and ``cpu_count``), with the CPU's vector
     extensions where the record has them (:func:`fisherkron.repro.figures.machine_label`).
@@ -171,7 +162,7 @@ def machine_name(m: dict) -> str:
     >>> machine_name({"cpu": "AMD EPYC", "cpu_count": 2, "cpu_isa": "AVX2"})
     '2-core AMD EPYC (AVX2)'
     """
-    return figures.machine_label(m.get("cpu_count"), m.get("cpu"), m.get("cpu_isa"))
+    return machine_label(m.get("cpu_count"), m.get("cpu"), m.get("cpu_isa"))
 
 def notebook_time(out: Outputs, notebook: str) -> str:
     """The wall time of a notebook's committed run (the latest of its records), or "not yet run"."""
@@ -216,8 +207,8 @@ def other_cpu(out: Outputs, rec: dict) -> str | None:
     """
     if not rec.get("machine"):
         return None
-    here = cpu_model(rec["machine"])
-    wrote = {cpu_model(out.record(t["name"]).get("machine", {})) for t in rec["tables"]
+    here = cpu_model(rec["machine"].get("cpu"))
+    wrote = {cpu_model(out.record(t["name"]).get("machine", {}).get("cpu")) for t in rec["tables"]
              if (out.folder / f"{t['name']}.provenance.json").is_file()}
     wrote.discard(here)
     return f"{here} against {and_list(sorted(wrote))}" if wrote else None
