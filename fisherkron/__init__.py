@@ -13,8 +13,8 @@ The package in layers, each importing only from those listed before it:
 * :mod:`fisherkron.experiments`: code only the notebooks and scripts use;
 * :mod:`fisherkron.cli`: the ``fisherkron`` command.
 
-Every name below is importable from ``fisherkron``; the Hugging Face names are imported on
-first use, so ``import fisherkron`` needs only the core dependencies.
+Every name below is importable from ``fisherkron``, each imported on first use: ``import fisherkron``
+alone imports no torch, and the Hugging Face names need ``transformers`` only when used.
 """
 from __future__ import annotations
 
@@ -58,15 +58,19 @@ def _passive_openmp() -> None:
 
 _passive_openmp()
 
-from .core import (METHODS, MIN_ALPHA, Factors, FisherkronError, GradientStack, KFACFactors,
-                   LowRankLinear, Method, MFFResult, RearrangedFisher, Regularized, asvd,
-                   compression_ratio, factorize_weight, fisher_weighted_error, fwsvd, fwsvd_rows, gfwsvd,
-                   kfac_factors, kron, kronecker_terms, lowrank_params, matvec_flops, mff,
-                   rank_for_ratio, rearranged_fisher, regularize, shared_basis, SharedBasisLinear,
-                   svd, svd_llm, unvec, vec, weighted_svd)
-
 from ._version import __version__
 
+#: the core's names (``fisherkron.core``: needs torch, numpy and scipy)
+_CORE = ("FisherkronError", "vec", "unvec", "kron",
+         "rearranged_fisher", "RearrangedFisher", "GradientStack", "matvec_flops",
+         "mff", "MFFResult", "kronecker_terms",
+         "kfac_factors", "KFACFactors",
+         "regularize", "Regularized", "MIN_ALPHA",
+         "weighted_svd", "gfwsvd", "svd", "fwsvd", "fwsvd_rows", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
+         "METHODS", "Method", "factorize_weight",
+         "LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio",
+         "shared_basis", "SharedBasisLinear")
+#: the Hugging Face layer's names (``pip install 'fisherkron[hf]'``)
 _HF = ("load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
        "load_task", "ptb", "wiki_text", "c4_documents", "lm_batches", "classification_batches",
        "load_documents", "check_enough_tokens",
@@ -80,23 +84,19 @@ _HF = ("load_model", "EMBEDDED_MODELS", "PAPER_MODELS",
 
 __all__ = [
     # fisherkron.core: the method
-    "FisherkronError", "vec", "unvec", "kron",
-    "rearranged_fisher", "RearrangedFisher", "GradientStack", "matvec_flops",
-    "mff", "MFFResult", "kronecker_terms",
-    "kfac_factors", "KFACFactors",
-    "regularize", "Regularized", "MIN_ALPHA",
-    "weighted_svd", "gfwsvd", "svd", "fwsvd", "fwsvd_rows", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
-    "METHODS", "Method", "factorize_weight",
-    "LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio",
-    "shared_basis", "SharedBasisLinear",
-    # fisherkron.hf: Hugging Face models (imported on first use)
+    *_CORE,
+    # fisherkron.hf: Hugging Face models
     *_HF,
     "__version__",
 ]
 
 
 def __getattr__(name: str):
-    """Import the Hugging Face layer on first use of one of its names (PEP 562)."""
+    """Import the core or the Hugging Face layer on first use of one of its names (PEP 562)."""
+    if name in _CORE:
+        value = getattr(importlib.import_module(".core", __name__), name)
+        globals()[name] = value
+        return value
     if name in _HF:
         from .env import require
 
@@ -108,4 +108,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HF))
+    return sorted(set(globals()) | set(_CORE) | set(_HF))

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .core.conventions import FisherkronError
+from .core.errors import FisherkronError
 
 __all__ = ["REPO_ROOT", "data_root", "models_root", "set_offline_env", "hub_offline", "OFFLINE_VARS", "offline_advice", "package_dir",
            "require", "code_text", "code_digest", "atomic_path", "stale_temporaries", "remove_stale_temporaries", "atomic_write", "atomic_directory", "TMP_PREFIX",
@@ -357,7 +357,7 @@ def read_committed(path: str | os.PathLike, parse: Callable[[str], _T] | None = 
     >>> _ = p.write_bytes(b'{"a": 1')
     >>> read_committed(p, json_object(), what="a JSON record", remake="run `make x`")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    fisherkron.core.conventions.FisherkronError: .../r.json is not a JSON record (Expecting ',' delimiter: line 1 column 8 (char 7)): restore it from git (`git checkout -- .../r.json`) or run `make x`
+    fisherkron.core.errors.FisherkronError: .../r.json is not a JSON record (Expecting ',' delimiter: line 1 column 8 (char 7)): restore it from git (`git checkout -- .../r.json`) or run `make x`
     """
     name = shown(path)
     todo = " or ".join(([f"restore it from git (`git checkout -- {name}`)"] if committed else [])

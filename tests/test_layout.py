@@ -114,3 +114,33 @@ def test_import_fisherkron_does_not_import_the_hugging_face_layer():
             "'matplotlib', 'pandas') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_bare_import_and_the_tooling_start_without_torch():
+    """``import fisherkron`` and the repository's tools (one process per executed notebook, per `make verify` or
+    `make book` step) import no torch: the core's names are imported on first use, and the tools need only the
+    error type (``core.errors``) and ``core.phases``. Importing torch and scipy takes about 3 s of a tool's start."""
+    import subprocess
+
+    tools = ("execute", "verify", "ledger", "cold", "claims", "readme", "tolerance", "figures", "book.__main__")
+    code = (f"import sys, fisherkron, fisherkron.env, {', '.join('fisherkron.repro.' + t for t in tools)}; "
+            "bad = [m for m in ('torch', 'scipy', 'fisherkron.core.conventions') if m in sys.modules]; "
+            "print(bad); sys.exit(bool(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_lazily_imported_name_is_the_one_its_module_defines():
+    import importlib
+
+    import fisherkron
+    import fisherkron.core as core
+
+    assert set(fisherkron._CORE) <= set(core.__all__)
+    for name in core.__all__:
+        module = importlib.import_module(f"fisherkron.core.{core._MODULE_OF[name]}")
+        assert getattr(core, name) is getattr(module, name), name
+    for name in fisherkron._CORE:
+        assert getattr(fisherkron, name) is getattr(core, name), name
+    with pytest.raises(AttributeError, match="no attribute 'mf'"):
+        core.mf  # noqa: B018

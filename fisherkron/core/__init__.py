@@ -16,31 +16,49 @@ module                 what it holds
 ``lowrank``            ``LowRankLinear``: ``W ~= W2 W1`` as a module
 ``basis_sharing``      Basis Sharing: one whitened input basis shared by a group of layers
 ``checks``             input validation (one-line :class:`FisherkronError`)
+``errors``             :class:`FisherkronError`, the one exception type (no torch needed to raise or catch it)
 ``phases``             where a process's seconds go: wall time per named phase, in provenance records
 =====================  =====================================================================
 
 Nothing here imports from the layers above it (``fisherkron.hf``, ``fisherkron.experiments``,
 ``fisherkron.cli``); ``tests/test_layout.py`` checks this on the import graph.
-"""
-from .basis_sharing import SharedBasisLinear, SharedFactors, shared_basis, shared_basis_params, shared_basis_rank
-from .conventions import FisherkronError, kron, unvec, vec
-from .factorization import MFF_DTYPES, MFFResult, kronecker_terms, mff, mff_dtype
-from .kfac import KFACFactors, kfac_factors
-from .lowrank import LowRankLinear, compression_ratio, lowrank_params, rank_for_ratio
-from .methods import METHODS, Method, factorize_weight
-from .operators import GradientStack, RearrangedFisher, matvec_flops, rearranged_fisher
-from .regularization import MIN_ALPHA, Regularized, regularize
-from .shrinkage import shrink_to_diagonal, split_half_intensity
-from .wsvd import Factors, asvd, fisher_weighted_error, fwsvd, fwsvd_rows, gfwsvd, svd, svd_llm, weighted_svd
 
-__all__ = [
-    "FisherkronError", "vec", "unvec", "kron",
-    "rearranged_fisher", "RearrangedFisher", "GradientStack", "matvec_flops",
-    "mff", "MFFResult", "kronecker_terms", "MFF_DTYPES", "mff_dtype",
-    "kfac_factors", "KFACFactors",
-    "regularize", "Regularized", "MIN_ALPHA", "shrink_to_diagonal", "split_half_intensity",
-    "weighted_svd", "gfwsvd", "svd", "fwsvd", "fwsvd_rows", "asvd", "svd_llm", "Factors", "fisher_weighted_error",
-    "METHODS", "Method", "factorize_weight",
-    "LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio",
-    "shared_basis", "SharedFactors", "SharedBasisLinear", "shared_basis_rank", "shared_basis_params",
-]
+The names below are imported from their modules on first use (PEP 562), so ``import fisherkron.core`` alone
+imports no torch: the repository's tooling, which needs only :mod:`errors` and :mod:`phases`, starts in a
+fraction of a second instead of the three that torch and scipy take.
+"""
+from __future__ import annotations
+
+import importlib
+
+#: every public name, by the module that defines it
+_EXPORTS = {
+    "errors": ("FisherkronError",),
+    "conventions": ("vec", "unvec", "kron"),
+    "operators": ("rearranged_fisher", "RearrangedFisher", "GradientStack", "matvec_flops"),
+    "factorization": ("mff", "MFFResult", "kronecker_terms", "MFF_DTYPES", "mff_dtype"),
+    "kfac": ("kfac_factors", "KFACFactors"),
+    "regularization": ("regularize", "Regularized", "MIN_ALPHA"),
+    "shrinkage": ("shrink_to_diagonal", "split_half_intensity"),
+    "wsvd": ("weighted_svd", "gfwsvd", "svd", "fwsvd", "fwsvd_rows", "asvd", "svd_llm", "Factors",
+             "fisher_weighted_error"),
+    "methods": ("METHODS", "Method", "factorize_weight"),
+    "lowrank": ("LowRankLinear", "lowrank_params", "rank_for_ratio", "compression_ratio"),
+    "basis_sharing": ("shared_basis", "SharedFactors", "SharedBasisLinear", "shared_basis_rank",
+                      "shared_basis_params"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    """Import the module that defines ``name`` on its first use."""
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

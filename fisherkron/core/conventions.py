@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from .errors import FisherkronError
+
 __all__ = ["vec", "unvec", "kron", "FisherkronError"]
-
-
-class FisherkronError(ValueError):
-    """Bad input to a fisherkron routine; the message is one line and says what to do."""
 
 
 def vec(X: torch.Tensor) -> torch.Tensor:

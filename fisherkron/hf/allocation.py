@@ -202,7 +202,7 @@ def check_options(options) -> dict:
     {'heldout': []}
     >>> check_options({"heldotu": []})
     Traceback (most recent call last):
-    fisherkron.core.conventions.FisherkronError: allocation_options has no key 'heldotu'; did you mean 'heldout'? ...
+    fisherkron.core.errors.FisherkronError: allocation_options has no key 'heldotu'; did you mean 'heldout'? ...
     """
     if options is None:
         return {}

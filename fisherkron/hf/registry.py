@@ -15,7 +15,7 @@ Two roles, as in the paper:
 Paper-scale names (``bert-base-uncased``, ``meta-llama/Llama-2-7b-chat-hf``,
 ``meta-llama/Llama-3.1-8B-Instruct``) load through transformers from the hub
 when it is reachable (``HF_HUB_OFFLINE`` unset or 0); offline they give a
-one-line :class:`~fisherkron.conventions.FisherkronError` naming the embedded
+one-line :class:`~fisherkron.core.errors.FisherkronError` naming the embedded
 alternatives. A name that is a path (:func:`local_model_path`) is never sent to the hub: a
 mistyped folder is "no model folder at <path>", whether the hub is on or off.
 """

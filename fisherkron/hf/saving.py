@@ -49,7 +49,7 @@ What is guaranteed (tests/test_saving_safety.py):
   listed file's size and checksum, before anything is built, and reads only the files the
   manifest lists: another ``.safetensors`` or tokenizer file in the folder is ignored (with
   a warning), never loaded over a saved tensor.
-* **Errors are one line** (:class:`~fisherkron.core.conventions.FisherkronError`): a target
+* **Errors are one line** (:class:`~fisherkron.core.errors.FisherkronError`): a target
   that is a file, is not writable (tested by writing a file), lacks the free space the new
   save needs beside the earlier one, or is being saved into by a running process; a model
   without ``save_pretrained``; a hand-edited or damaged ``fisherkron.json``; an ``OSError``

@@ -63,7 +63,7 @@ def check_rates(lr: float, min_lr: float) -> None:
     >>> check_rates(1e-4, 1e-3)
     Traceback (most recent call last):
     ...
-    fisherkron.core.conventions.FisherkronError: min_lr=0.001 (the final learning rate) exceeds lr=0.0001 (the initial one), so the rate would anneal upward; pass min_lr <= lr
+    fisherkron.core.errors.FisherkronError: min_lr=0.001 (the final learning rate) exceeds lr=0.0001 (the initial one), so the rate would anneal upward; pass min_lr <= lr
     """
     check_positive(lr, "lr")
     check_positive(min_lr, "min_lr", zero_ok=True)

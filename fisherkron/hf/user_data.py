@@ -22,7 +22,7 @@ belongs to its paragraph. Rows whose text is missing or blank are dropped.
 table in memory, so reading a user's file leaves nothing behind. A saved folder is read in place
 (``load_from_disk`` writes nothing).
 
-Bad input is one :class:`~fisherkron.core.conventions.FisherkronError` line naming the file, raised before
+Bad input is one :class:`~fisherkron.core.errors.FisherkronError` line naming the file, raised before
 any calibration; :func:`check_enough_tokens` refuses a corpus too short for ``k`` batches.
 """
 from __future__ import annotations

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.conventions import FisherkronError
+from ..core.errors import FisherkronError
 from ..env import REPO_ROOT, json_object, read_committed, shown
 
 __all__ = ["VERDICTS", "Item", "ITEMS", "PAPER_ITEMS", "BEYOND", "load_records", "results", "table_cell", "results_table"]

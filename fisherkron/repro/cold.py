@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..core.conventions import FisherkronError
+from ..core.errors import FisherkronError
 from ..env import REPO_ROOT, atomic_write, data_root, models_root
 from . import ledger
 

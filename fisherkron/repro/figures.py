@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.conventions import FisherkronError
+from ..core.errors import FisherkronError
 from ..core import phases
 from ..env import REPO_ROOT, atomic_write, csv_rows, json_object, read_committed, shown
 from . import tolerance

@@ -50,7 +50,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..core.conventions import FisherkronError
+from ..core.errors import FisherkronError
 from ..env import _pid_alive, atomic_write, data_root
 from .figures import cpu_isa, cpu_name, machine_label
 

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..core.conventions import FisherkronError
+from ..core.errors import FisherkronError
 from ..env import REPO_ROOT, atomic_write, read_committed
 from . import claims
 from .book.records import Outputs, machine_name

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.conventions import FisherkronError
+from ..core.errors import FisherkronError
 
 __all__ = ["Tolerance", "parse", "declare", "default", "looks_like_timing", "DEFAULT_FLOAT"]
 

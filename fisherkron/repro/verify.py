@@ -59,7 +59,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..core.conventions import FisherkronError
+from ..core.errors import FisherkronError
 from ..env import REPO_ROOT, OtherLoad, atomic_write, file_checksum, json_object, read_committed
 from .compare import (Failure, TableReport, check_committed, compare_frames, compare_notebook, compare_table,
                       declared_tolerances, tables_of)

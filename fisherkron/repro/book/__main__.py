@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ...core.conventions import FisherkronError
+from ...core.errors import FisherkronError
 from .executed import write_executed
 from .sources import write_sources
 

@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ...core.conventions import FisherkronError
+from ...core.errors import FisherkronError
 from ...env import file_checksum, read_committed
 from ..figures import cpu_model, machine_label, read_provenance, read_table
 

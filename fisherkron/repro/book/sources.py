@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...core.conventions import FisherkronError
+from ...core.errors import FisherkronError
 from ...env import REPO_ROOT, atomic_write, read_committed
 from ..figures import read_provenance
 from ..verify import read_record
