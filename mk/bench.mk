@@ -27,7 +27,7 @@ bench-quick: $(STAMP) ## the benchmark on tiny sizes into build/bench-quick/ (se
 # so an interrupted run resumes (RECIPE_ARGS=--force measures them all again). The unbounded GFWSVD cases need about
 # 17 GB of free disk under build/bench-recipe/scratch/ while they run.
 RECIPE_ARGS ?=
-RECIPE_SRC  := scripts/bench_recipe.py $(wildcard fisherkron/cli/*.py) $(HF_SRC) $(EXP)/llm_compression.py
+RECIPE_SRC  := scripts/bench_recipe.py $(wildcard fisherkron/cli/*.py) $(HF_SRC) $(LC_SRC)
 RECIPE_OUT  := $(foreach e,csv md tex provenance.json,$(BENCH_DIR)/bench_recipe.$e)
 
 .PHONY: bench-recipe bench-recipe-quick

@@ -5,7 +5,7 @@
 # scored case (data/cache/studies/llm_compression/), so the second and third reuse what the first computed.
 # Their cost from empty caches is estimated in notebooks/params/<name>.default.yaml.
 # This file calls the `notebook` macro of mk/notebooks.mk, which the Makefile reads before the other mk files.
-LLM_SRC := $(HF_SRC) $(EXP)/llm_compression.py $(EXP)/llm_summary.py
+LLM_SRC := $(HF_SRC) $(LC_SRC) $(EXP)/llm_summary.py
 
 $(eval $(call notebook,tab_llm_compression_main,$(call tab,tab_llm_compression_main) $(call fig,fig_llm_compression) $(FIGDIR)/tab_llm_compression_main_summary.provenance.json,$(LLM_SRC)))
 tab_llm_compression_main: ## Tabs. Llama31_compression_50 / Llama2_chat_compression_50 + Fig. llm_compression (Sec. 6.3): 5 methods x 2 blocks at 20-50 %, perplexities and six zero-shot tasks, on SmolLM2

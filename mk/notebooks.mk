@@ -83,7 +83,7 @@ $(NB_PARAMS)/%.yaml:
 	@exit 1
 
 # -- the notebooks ---------------------------------------------------------------
-$(eval $(call notebook,kronecker_fisher_from_scratch,$(call fig,kronecker_fisher_from_scratch kronecker_fisher_from_scratch_mff fig_connection2fwsvd),$(HF_SRC) $(EXP)/teaching.py))
+$(eval $(call notebook,kronecker_fisher_from_scratch,$(call fig,kronecker_fisher_from_scratch kronecker_fisher_from_scratch_mff fig_connection2fwsvd),$(HF_SRC) $(EXP)/teaching.py $(EXP)/synthetic_gradients.py))
 kronecker_fisher_from_scratch: ## teaching notebook: Kronecker-factored Fisher from scratch (Secs. 3-5, App. E) + Fig. connection2fwsvd
 
 $(eval $(call notebook,fig_synthetic_correlations,$(call fig,fig_corr fig_diag_full_synth) $(call tab,tab_diag_full_synth tab_synthetic_gaps) $(FIGDIR)/fig_synthetic_correlations_summary.provenance.json,$(EXP)/synthetic.py))
@@ -102,11 +102,11 @@ $(eval $(call notebook,fig_singular_values,$(call fig,fig_singular_values) $(cal
 fig_singular_values: ## Fig. singular_values (Sec. 4): top singular values of R(F) for every linear layer of SmolLM2 and MiniLM
 
 # FLOPs and inference speed of GFWSVD-compressed SmolLM2 (App. F, Tabs. flops_comparison, throughput_fwsvd, throughput_forward).
-$(eval $(call notebook,tab_throughput,$(call tab,tab_flops_comparison tab_throughput_fwsvd tab_throughput_forward tab_throughput_layers) $(call fig,fig_throughput) $(FIGDIR)/tab_throughput_summary.provenance.json,$(HF_SRC) $(EXP)/throughput.py))
+$(eval $(call notebook,tab_throughput,$(call tab,tab_flops_comparison tab_throughput_fwsvd tab_throughput_forward tab_throughput_layers) $(call fig,fig_throughput) $(FIGDIR)/tab_throughput_summary.provenance.json,$(HF_SRC) $(EXP)/throughput.py $(EXP)/spectrum.py))
 tab_throughput: ## Tabs. flops_comparison, throughput_fwsvd, throughput_forward (App. F): FLOPs and measured speed of compressed SmolLM2
 
 # Calibration at scale on SmolLM2: cost and quality against k and granularity.
-$(eval $(call notebook,fig_calibration,$(call fig,fig_calibration) $(call tab,tab_calibration tab_calibration_cost) $(FIGDIR)/fig_calibration_summary.provenance.json,$(HF_SRC) $(EXP)/calibration_study.py))
+$(eval $(call notebook,fig_calibration,$(call fig,fig_calibration) $(call tab,tab_calibration tab_calibration_cost) $(FIGDIR)/fig_calibration_summary.provenance.json,$(HF_SRC) $(EXP)/calibration_study.py $(addprefix $(EXP)/,benchmark.py authors.py synthetic_gradients.py)))
 fig_calibration: ## calibration at scale: GFWSVD / KFAC-SVD / SVD-LLM against k and granularity, cost against the 15-min target (about 85 min cold on 2 Intel Xeon cores, its last 25 min beside another run)
 
 # Encoder compression (Sec. 6.2): MiniLM fine-tuned per task and seed, its FFN layers compressed by rank.

@@ -85,3 +85,52 @@ def test_a_failed_make_run_of_a_notebook_deletes_none_of_its_outputs(tmp_path):
     assert r.returncode != 0  # the run failed ...
     assert [f.name for f in outputs if not f.is_file()] == [], r.stderr  # ... and every output is still there
     assert all(f.read_text() == "the last good run" for f in outputs)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+EXP = ROOT / "fisherkron" / "experiments"
+
+
+def _experiment_imports(path: Path) -> set[str]:
+    """The ``fisherkron.experiments`` modules ``path`` imports (at any depth of its code), by file stem."""
+    import ast
+
+    inside = path.parent == EXP
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level == 1 and inside:  # from .x import y / from . import x
+                found |= {module} if module else {a.name for a in node.names}
+            elif node.level == 0 and module == "fisherkron.experiments":
+                found |= {a.name for a in node.names}
+            elif node.level == 0 and module.startswith("fisherkron.experiments."):
+                found.add(module.split(".")[2])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("fisherkron.experiments.")}
+    return {m for m in found if (EXP / f"{m}.py").exists()}
+
+
+def test_every_experiment_module_a_notebook_runs_is_a_make_prerequisite_of_it():
+    """A notebook is rerun by `make all` when code it runs changes: each experiment module it imports, directly or
+    through another experiment module, is among the prerequisites of its executed copy (read from make's database,
+    nothing run)."""
+    db = subprocess.run(["make", "--no-print-directory", "-pq", "PROFILE=default"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120).stdout
+    rules = {line.split(":", 1)[0]: set(line.split(":", 1)[1].split()) for line in db.splitlines()
+             if line.startswith("notebooks/executed/") and ":" in line and not line.startswith("#")}
+    notebooks = sorted((ROOT / "notebooks").glob("*.py"))
+    assert notebooks
+    missing = {}
+    for nb in notebooks:
+        need, todo = set(), _experiment_imports(nb)
+        while todo:
+            m = todo.pop()
+            need.add(m)
+            todo |= _experiment_imports(EXP / f"{m}.py") - need
+        prereqs = rules.get(f"notebooks/executed/{nb.stem}.ipynb")
+        assert prereqs is not None, f"make has no rule for notebooks/executed/{nb.stem}.ipynb"
+        lacking = sorted(f"$(EXP)/{m}.py" for m in need if f"fisherkron/experiments/{m}.py" not in prereqs)
+        if lacking:
+            missing[nb.stem] = lacking
+    assert not missing, f"notebooks run experiment modules their make rules do not list as prerequisites: {missing}"

@@ -1,4 +1,5 @@
-"""Code that only the notebooks and scripts use: experiments of the paper, restated baselines, figures.
+"""Code that only the notebooks and scripts use: experiments of the paper and beyond it, restated
+baselines.
 
 ==========================  ================================================================
 module                      what it holds
@@ -11,20 +12,19 @@ module                      what it holds
 ``throughput``              FLOPs and measured speed of compressed decoders (App. F)
 ``glue``                    the encoder study (Sec. 6.2): splits, fine-tuning (cached), compression
 ``glue_summary``            its tables (Tab. glue_results, glue_extended) and verdicts
-``rank_allocation``         the rank-allocation study (Sec. 6.3 protocol): methods x allocations x ratios
-``calibration_study``       calibration at scale: quality and cost against k and granularity
-``llm_compression``         the decoder study (Sec. 6.3 and appendices): protocol, cached cases, sweep noise
-``llm_summary``             its tables in the paper's layout and its verdicts
+``llm_compression``         the decoder study (Sec. 6.3 and appendices): protocol, cases, cached scores
+``loss_noise``              per-token and per-window losses; the sensitivity sweep's noise
+``pitfall``                 GFWSVD with the output-side Cholesky factor untransposed (a public reimplementation)
+``llm_summary``             the decoder study's tables in the paper's layout and its verdicts
 ``extra_compression``       learned truncation and LoRA recovery on a weighted SVD (Sec. 6.4)
+``rank_allocation``         the rank-allocation study (Sec. 6.3 protocol): methods x allocations x ratios
+``allocation_cost``         five rank allocations: quality against the evaluations they spend
+``calibration_study``       calibration at scale: quality and cost against k and granularity
+``scale``                   SmolLM2-135M, Gemma 3 270M, Qwen2.5-0.5B: GFWSVD's gap against model size
 ``teaching``                the weighted-SVD family as dense transformation pairs (Fig. connection2fwsvd)
-``figures``                 figures and tables written atomically with provenance records
-``readme``                  README.md's generated numbers, rendered from the committed outputs
-``book``                    the committed executed notebooks and the static site of them (``make book``)
-``tolerance``               how far a rerun's table value may fall from the committed one
-``verify``                  ``make verify``: rerun notebooks into build/verify, compare tables
-``verify_tolerances``       tolerances of tables whose notebook declares none
 ==========================  ================================================================
 
 Import the modules themselves (``from fisherkron.experiments import synthetic``); nothing
-is re-exported here, so importing this package costs nothing.
+is re-exported here, so importing this package costs nothing. The repository's tooling (running,
+recording and verifying notebooks, the book) is :mod:`fisherkron.repro`.
 """

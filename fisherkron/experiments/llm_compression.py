@@ -23,9 +23,9 @@ soon as it exists: a rerun after a plotting change reads them in seconds and an 
 resumes at the next case. Each method's weighted SVDs (:class:`~fisherkron.hf.allocation.Decompositions`)
 serve all its ratios and allocations.
 
-The pitfall of App. "Impact of diagonal ..." lives here too:
-:func:`transposed_decomposition` is GFWSVD with the output-side Cholesky factor untransposed, as a
-public reimplementation (lems-svd/lems) computes it.
+The sweep's noise and the per-window losses are in :mod:`~fisherkron.experiments.loss_noise`, the pitfall of
+App. "Impact of diagonal ..." (GFWSVD with the output-side Cholesky factor untransposed) in
+:mod:`~fisherkron.experiments.pitfall`; both are importable from here too.
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ from .._version import __version__
 from ..core.conventions import FisherkronError
 from ..env import atomic_write, code_digest, data_root
 from .llm_summary import ZERO_SHOT, mmlu_scores, zero_shot_scores
+from .loss_noise import difference_noise, sweep_noise, token_losses, window_losses
+from .pitfall import compress_transposed, transposed_decomposition
 
 __all__ = ["CODE_VERSION", "STUDY_METHODS", "ALLOCATIONS", "PAPER_ALLOCATION", "ASVD_CANDIDATES", "KINDS",
            "Protocol", "Case", "Study", "check_reachable", "study_stats", "calibrate", "first_tokens", "split_batches",
@@ -707,168 +709,3 @@ def prepare(protocol: Protocol, target: str = "tab_llm_compression_main", progre
     eval_ids = {name: first_tokens(tok, text, p.eval_tokens) for name, text in texts.items()}
     return Study(p, model, tok, stats, sweep, select, eval_ids, list(stats.layers), model_fingerprint(model),
                  code_tag(), data_root() / "cache" / "studies" / "llm_compression")
-
-
-# ----------------------------------------------------------------------------- the sweep's noise
-
-@torch.no_grad()
-def token_losses(model: nn.Module, batches) -> torch.Tensor:
-    """``(S, T-1)`` negative log-likelihood of every predicted token of every sequence (float64).
-
-    Their mean over a batch is ``model(**batch).loss``, the loss the sweep measures.
-    """
-    rows = []
-    for b in batches:
-        x = b["input_ids"]  # (B, T)
-        logits = model(input_ids=x, attention_mask=b.get("attention_mask")).logits.float()  # (B, T, V)
-        logp = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, T-1, V): predicts x[:, 1:]
-        labels = b.get("labels", x)[:, 1:]  # (B, T-1)
-        rows.append(-logp.gather(-1, labels[..., None]).squeeze(-1).double())  # (B, T-1)
-    return torch.cat(rows)
-
-
-@torch.no_grad()
-def window_losses(model: nn.Module, ids: torch.Tensor, seq_len: int) -> dict:
-    """The summed negative log-likelihood of each window of ``ids`` as :func:`fisherkron.perplexity` scores them
-    (non-overlapping ``seq_len``-token windows, the tail dropped, ``seq_len - 1`` tokens predicted in each):
-    ``{"nll": [per window], "tokens": per window}``. ``exp(sum(nll) / (windows * tokens))`` is the perplexity;
-    two cases' per-window differences give a paired standard error of their log-perplexity gap."""
-    if ids.numel() < seq_len:
-        raise FisherkronError(f"the text has {ids.numel()} tokens, fewer than seq_len={seq_len}; lower seq_len")
-    nll = []
-    for b in range(0, ids.numel() - seq_len + 1, seq_len):
-        x = ids[b:b + seq_len][None]  # (1, T)
-        logp = torch.log_softmax(model(input_ids=x).logits.float()[:, :-1], dim=-1)  # (1, T-1, V)
-        nll.append(-float(logp.gather(-1, x[:, 1:, None]).double().sum()))
-    return {"nll": nll, "tokens": seq_len - 1}
-
-
-def difference_noise(d: torch.Tensor) -> dict:
-    r"""Mean and standard errors of per-token loss differences ``d`` (``S`` sequences x ``T`` tokens).
-
-    ``se_token = sd(d) / sqrt(S T)`` treats tokens as independent (the standard error of per-token
-    loss differences); ``se_sequence = sd(dbar_s) / sqrt(S)`` uses the per-sequence means, which is
-    honest when the tokens of one sequence are correlated (and coarse when ``S`` is small).
-
-    >>> r = difference_noise(torch.tensor([[1.0, -1.0], [1.0, -1.0]]))
-    >>> r["mean"], round(r["sd_token"], 6), round(r["se_token"], 6)
-    (0.0, 1.154701, 0.57735)
-    """
-    d = torch.as_tensor(d, dtype=torch.float64)
-    if d.ndim != 2 or d.numel() < 2:
-        raise FisherkronError(f"d must be a (sequences, tokens) tensor with at least two entries, got {tuple(d.shape)}")
-    S, T = d.shape
-    sd = float(d.reshape(-1).std(unbiased=True))
-    seq = d.mean(1)  # (S,)
-    sd_seq = float(seq.std(unbiased=True)) if S > 1 else float("nan")
-    return {"mean": float(d.mean()), "sd_token": sd, "se_token": sd / math.sqrt(S * T), "sd_sequence": sd_seq,
-            "se_sequence": sd_seq / math.sqrt(S), "sequences": S, "tokens": S * T}
-
-
-@torch.no_grad()
-def sweep_noise(study: Study, method: str, *, ratio: float | None = None, n_layers: int = 8,
-                progress: bool = False) -> list[dict]:
-    r"""How far the least sensitive layers' loss changes stand above the sweep's noise.
-
-    The sweep of ``method`` (cached) ranks the layers by their loss change at the gentlest candidate
-    ``ratio`` (default: the smallest of the protocol's); the ``n_layers`` with the smallest change are
-    compressed alone again at that rank and their per-token loss differences to the dense model are
-    measured on the selection batches, which the sweep did not see (so choosing the layers does not bias
-    the measurement). Per layer: the change on the sweep's batches, the change ``delta`` and the
-    per-token spread ``sd`` on the selection batches, the standard error at the sweep's token count
-    ``sd / sqrt(T_sweep)`` (per-token, and per-sequence), ``z = delta / se`` and the tokens that a
-    change of that size needs to stand two standard errors above the noise, ``(2 sd / delta)^2``.
-    """
-    from ..core.lowrank import LowRankLinear, rank_for_ratio
-
-    p = study.protocol
-    ratio = min(p.sens_ratios) if ratio is None else ratio
-    decs = study.decompositions_of(method)
-    sweep = study.sweep(method, progress=progress)
-    mods = dict(study.model.named_modules())
-    ranked = []
-    for name in study.names:
-        n, m = mods[name].weight.shape
-        r = rank_for_ratio(n, m, ratio)
-        if r in sweep["table"][name]:
-            ranked.append((sweep["table"][name][r], name, r))
-    ranked.sort()
-    base = token_losses(study.model, study.select_batches)  # (S, T-1)
-    t_sweep = sum(b["input_ids"].shape[0] * (b["input_ids"].shape[1] - 1) for b in study.sweep_batches)
-    s_sweep = sum(b["input_ids"].shape[0] for b in study.sweep_batches)
-    rows = []
-    for delta_sweep, name, r in tqdm(ranked[:n_layers], desc=f"sweep noise ({method})", disable=not progress):
-        lin = mods[name]
-        dec, _ = decs.get(lin, method, study.stats, name, mff_options=study.mff_options)
-        W2, W1 = dec.factors(r, name)
-        low = LowRankLinear.from_factors(W2.to(lin.weight.dtype), W1.to(lin.weight.dtype),
-                                         lin.bias.detach() if lin.bias is not None else None)
-        study.model.set_submodule(name, low)
-        try:
-            d = token_losses(study.model, study.select_batches) - base  # (S, T-1)
-        finally:
-            study.model.set_submodule(name, lin)
-        noise = difference_noise(d)
-        se_sweep = noise["sd_token"] / math.sqrt(t_sweep)
-        se_seq_sweep = noise["sd_sequence"] / math.sqrt(s_sweep)
-        delta = noise["mean"]
-        rows.append({"layer": name, "rank": r, "ratio": ratio, "delta_sweep": float(delta_sweep), "delta": delta,
-                     "sd_token": noise["sd_token"], "se_token_selection": noise["se_token"],
-                     "se_token_sweep": se_sweep, "se_sequence_sweep": se_seq_sweep,
-                     "z_sweep": delta / se_sweep if se_sweep > 0 else float("inf"),
-                     "tokens_needed": (2 * noise["sd_token"] / delta) ** 2 if delta != 0 else float("inf"),
-                     "sweep_tokens": t_sweep, "selection_tokens": noise["tokens"]})
-    return rows
-
-
-# ----------------------------------------------------------------------------- the pitfall
-
-def transposed_decomposition(W: torch.Tensor, L_A: torch.Tensor | None, L_B: torch.Tensor | None, *,
-                             name: str = "weight", dtype: torch.dtype = torch.float64):
-    r"""GFWSVD with the output-side Cholesky factor untransposed, as lems-svd/lems computes it.
-
-    Eq. (7) is ``W_r = L_B^{-T} SVD_r(L_B^T W L_A) L_A^{-1}``. lems' ``_factorize_matrix`` (in the
-    ``nn.Linear`` layout ``W``: ``n x m``, out x in; its ``A`` is the output-side factor, our ``B``)
-    computes ``W_r = L_B^{-1} SVD_r(L_B W L_A) L_A^{-1}``: the best rank-``r`` fit in the metric
-    ``L_B^T L_B (x) ...`` instead of ``B = L_B L_B^T``. Both agree when ``L_B`` is diagonal (FWSVD's
-    case, and ``A = B = I``) and at full rank. Returns the
-    :class:`~fisherkron.core.wsvd.Decomposition` (its ``factors(r)`` slice every rank), built by the
-    same kernel with ``L_B^T`` in the left weight's place.
-    """
-    from ..core.wsvd import decompose
-
-    left = None if L_B is None else (L_B if L_B.ndim == 1 else L_B.T)  # the kernel transposes it back: L_B W
-    return decompose(W, left, L_A, dtype=dtype, name=name)
-
-
-def compress_transposed(model: nn.Module, stats, ranks: dict, *, mff_options: dict | None = None,
-                        progress: bool = False) -> dict:
-    """Replace each layer of ``ranks`` (``None``: kept dense) in place by its :func:`transposed_decomposition`
-    factors at that rank, from GFWSVD's own regularised ``L_A``, ``L_B`` (MFF's factors, as
-    :func:`fisherkron.compress` reads them). Returns the selected layers' parameter counts and ratio."""
-    from ..core.lowrank import LowRankLinear, compression_ratio, lowrank_params
-    from ..core.methods import method_weights
-    from ..hf.sensitivity import layer_statistics
-
-    mods = dict(model.named_modules())
-    new, before, after = {}, 0, 0
-    for name, r in tqdm(ranks.items(), desc="compress (transposed GFWSVD)", disable=not progress):
-        lin = mods[name]
-        W = lin.weight.detach()  # (n, m)
-        n, m = W.shape
-        has_bias = lin.bias is not None
-        dense = n * m + (n if has_bias else 0)
-        before += dense
-        if r is None:
-            after += dense
-            continue
-        given = layer_statistics(stats, "gfwsvd", name, mff_options)
-        w = method_weights("gfwsvd", n, m, A=given["A"], B=given["B"], layer=name)  # left L_B, right L_A
-        W2, W1 = transposed_decomposition(W, w.right, w.left, name=name).factors(r, name)
-        new[name] = LowRankLinear.from_factors(W2.to(W.dtype), W1.to(W.dtype),
-                                               lin.bias.detach() if has_bias else None).to(W.device)
-        after += lowrank_params(n, m, r, has_bias)
-    for name, low in new.items():
-        model.set_submodule(name, low)
-    return {"layer_params_before": before, "layer_params_after": after,
-            "layers_ratio": compression_ratio(before, after)}

@@ -9,7 +9,7 @@ layer). The methods: FWSVD, ASVD, SVD-LLM, KFAC-SVD, GFWSVD and GFWSVD with its 
 diagonals (``gfwsvd_shrunk``, :mod:`fisherkron.core.shrinkage`).
 
 Every case keeps, beside its perplexities, the negative log-likelihood of each evaluation window
-(:func:`~fisherkron.experiments.llm_compression.window_losses`), so the log-perplexity gap between two cases
+(:func:`~fisherkron.experiments.loss_noise.window_losses`), so the log-perplexity gap between two cases
 comes with a paired standard error over windows (:func:`paired_gap`). :func:`gap_rows` puts GFWSVD's gap to its
 best rival beside the size of each model's block linears, :func:`trend` says whether it shrinks with size,
 :func:`shrinkage_effect` how much of it shrinkage closes, and :func:`rankings` whether the architecture changes
