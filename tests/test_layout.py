@@ -144,3 +144,17 @@ def test_every_lazily_imported_name_is_the_one_its_module_defines():
         assert getattr(fisherkron, name) is getattr(core, name), name
     with pytest.raises(AttributeError, match="no attribute 'mf'"):
         core.mf  # noqa: B018
+
+
+@pytest.mark.parametrize("package", ["core", "hf", "experiments", "repro"])
+def test_each_package_table_lists_every_module(package):
+    """The module table of a package's docstring (a reader's map of it) names each of its modules and subpackages."""
+    import ast
+    import re
+
+    root = PKG / package
+    doc = ast.get_docstring(ast.parse((root / "__init__.py").read_text())) or ""
+    listed = set(re.findall(r"^``(\w+)``\s", doc, flags=re.M))
+    present = {p.stem for p in root.glob("*.py") if p.stem != "__init__"} | \
+        {p.parent.name for p in root.glob("*/__init__.py")}
+    assert present <= listed, f"fisherkron.{package}'s docstring table lacks {sorted(present - listed)}"

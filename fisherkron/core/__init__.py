@@ -13,6 +13,7 @@ module                 what it holds
 ``shrinkage``          ``A``, ``B`` shrunk toward their diagonals, the intensity from split halves
 ``wsvd``               the weighted SVD: GFWSVD (Theorem 1, Eq. (7)) and its special cases
 ``methods``            the compression methods in one table
+``allocation``         per-layer ranks under a budget from Theorem 1's predicted error curves
 ``lowrank``            ``LowRankLinear``: ``W ~= W2 W1`` as a module
 ``basis_sharing``      Basis Sharing: one whitened input basis shared by a group of layers
 ``checks``             input validation (one-line :class:`FisherkronError`)

@@ -1,27 +1,29 @@
 """Hugging Face models: the embedded and paper-scale models, data, calibration, surgery, save/load, evaluation.
 
-=================  ======================================================================
-module             what it holds
-=================  ======================================================================
-``registry``       ``load_model``: embedded MiniLM / SmolLM2, local folders, paper-scale hub names
-``data``           calibration and evaluation data that ship inside packages (offline)
-``user_data``      ``load_documents``: the user's own calibration text (.txt, .jsonl, .json, .csv, .parquet, saved folder)
-``calibration``    per-batch gradients and the statistics every method reads, cached on disk
-``distributed``    under torchrun: the process group, and MFF of all layers spread over the ranks
-``budget``         ``count_params``, ``plan_ranks``: the parameter budget, uniform ranks for a ratio
-``sensitivity``    ASVD's sensitivity sweep: each layer compressed alone, held-out loss (Sec. 6.3)
-``allocation``     ``allocate``: per-layer ranks for a ratio (uniform, sensitivity, fisher, calibrated, lems)
-``surgery``        ``compress``: replace ``nn.Linear`` layers by ``LowRankLinear`` (Secs. 5-6)
-``basis_sharing``  Basis Sharing (Wang et al. 2024): cross-layer shared bases, a Sec. 6.3 baseline
-``truncation``     ``learn_truncation``: Dobi-SVD's trainable truncation positions on any weighted SVD (Sec. 6.4)
-``recovery``       ``recover``: PEFT LoRA on LowRankLinear's factors, merged; training text kept apart from evaluation
-``training``       what both trainers guarantee: non-finite steps stop the run, checkpoints written whole
-``speed``          FLOPs of a forward pass (analytic, and counted on a meta copy); measured layer speed
-``saving``         ``save_compressed`` / ``load_compressed``: safetensors folders
-``transaction``    all-or-nothing replacement of a folder's files (mount points too): journal, commit, undo
-``evaluate``       perplexity, GLUE-style metrics, lm-eval tasks
-``lm_eval_tasks``  local lm-eval task folders built from packaged data
-=================  ======================================================================
+===================  ======================================================================
+module               what it holds
+===================  ======================================================================
+``registry``         ``load_model``: embedded MiniLM / SmolLM2, local folders, paper-scale hub names
+``data``             calibration and evaluation data that ship inside packages (offline)
+``user_data``        ``load_documents``: the user's calibration text (.txt .jsonl .json .csv .parquet, a saved folder)
+``calibration``      per-batch gradients and the statistics every method reads, cached on disk
+``distributed``      under torchrun: the process group, and MFF of all layers spread over the ranks
+``budget``           ``count_params``, ``plan_ranks``: the parameter budget, uniform ranks for a ratio
+``sensitivity``      ASVD's sensitivity sweep: each layer compressed alone, held-out loss (Sec. 6.3)
+``decompositions``   each layer's full weighted SVD, computed once and sliced for every rank (cached)
+``sweep_cache``      the sweep's cache file: entries with their checksum, read only once verified
+``allocation``       ``allocate``: per-layer ranks for a ratio (uniform, sensitivity, fisher, calibrated, lems)
+``surgery``          ``compress``: replace ``nn.Linear`` layers by ``LowRankLinear`` (Secs. 5-6)
+``basis_sharing``    Basis Sharing (Wang et al. 2024): cross-layer shared bases, a Sec. 6.3 baseline
+``truncation``       ``learn_truncation``: Dobi-SVD's trainable truncation positions on any weighted SVD (Sec. 6.4)
+``recovery``         ``recover``: PEFT LoRA on LowRankLinear's factors, merged; training text kept apart from evaluation
+``training``         what both trainers guarantee: non-finite steps stop the run, checkpoints written whole
+``speed``            FLOPs of a forward pass (analytic, and counted on a meta copy); measured layer speed
+``saving``           ``save_compressed`` / ``load_compressed``: safetensors folders
+``transaction``      all-or-nothing replacement of a folder's files (mount points too): journal, commit, undo
+``evaluate``         perplexity, GLUE-style metrics, lm-eval tasks
+``lm_eval_tasks``    local lm-eval task folders built from packaged data
+===================  ======================================================================
 
 Needs the ``hf`` extra (transformers, safetensors, datasets, ...). Builds on
 :mod:`fisherkron.core` and :mod:`fisherkron.env` only.
