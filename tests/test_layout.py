@@ -53,6 +53,8 @@ def _imports(path: Path, root: Path = PKG.parent):
                 yield mod, node.lineno
             else:
                 yield node.module, node.lineno
+                for a in node.names:  # from package import x: each x may be a module
+                    yield f"{node.module}.{a.name}", node.lineno
 
 
 def _fisherkron_layer(module: str) -> str | None:
@@ -158,3 +160,36 @@ def test_each_package_table_lists_every_module(package):
     present = {p.stem for p in root.glob("*.py") if p.stem != "__init__"} | \
         {p.parent.name for p in root.glob("*/__init__.py")}
     assert present <= listed, f"fisherkron.{package}'s docstring table lacks {sorted(present - listed)}"
+
+
+def test_every_experiment_module_a_notebook_runs_is_a_make_prerequisite_of_it():
+    """A notebook is rerun by `make all` when code it runs changes: each experiment module it imports, directly or
+    through another experiment module, is among the prerequisites of its executed copy (read from make's database,
+    nothing run)."""
+    import subprocess
+
+    root, exp = PKG.parent, PKG / "experiments"
+
+    def experiment_imports(path: Path) -> set[str]:
+        return {m.split(".")[2] for m, _ in _imports(path, root) if m.startswith("fisherkron.experiments.")
+                and (exp / f"{m.split('.')[2]}.py").exists()}
+
+    db = subprocess.run(["make", "--no-print-directory", "-pq", "PROFILE=default"], cwd=root, capture_output=True,
+                        text=True, timeout=120).stdout
+    rules = {line.split(":", 1)[0]: set(line.split(":", 1)[1].split()) for line in db.splitlines()
+             if line.startswith("notebooks/executed/") and ":" in line and not line.startswith("#")}
+    notebooks = sorted((root / "notebooks").glob("*.py"))
+    assert notebooks
+    missing = {}
+    for nb in notebooks:
+        need, todo = set(), experiment_imports(nb)
+        while todo:
+            m = todo.pop()
+            need.add(m)
+            todo |= experiment_imports(exp / f"{m}.py") - need
+        prereqs = rules.get(f"notebooks/executed/{nb.stem}.ipynb")
+        assert prereqs is not None, f"make has no rule for notebooks/executed/{nb.stem}.ipynb"
+        lacking = sorted(f"$(EXP)/{m}.py" for m in need if f"fisherkron/experiments/{m}.py" not in prereqs)
+        if lacking:
+            missing[nb.stem] = lacking
+    assert not missing, f"notebooks run experiment modules their make rules do not list as prerequisites: {missing}"
