@@ -91,6 +91,7 @@ lock: ## regenerate constraints.txt: resolve pyproject.toml ([dev]) afresh in a 
 
 test: $(STAMP) ## the fast test suite and the notebook smoke run, side by side on two job slots (CI runs this)
 	@start=$$SECONDS; \
+	OMP_NUM_THREADS=$(TEST_THREADS) \
 	$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target test-unit smoke SMOKE_SKIP="$(SMOKE_TWICE)" \
 	  || exit $$?; \
 	echo "[test] the tests and the smoke run took $$((SECONDS - start)) s together"
