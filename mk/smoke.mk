@@ -16,8 +16,9 @@ SMOKE_JOBS ?= 2
 TEST_JOBS ?= 2
 # OpenMP threads per process under `make test`: its job slots already fill the cores (pytest beside a notebook,
 # the determinism test's two runs side by side), and one thread each spends less CPU than two threads each
-# contending for the same cores. Measured on the idle 2-core AVX2 AMD EPYC, fresh clone, empty caches: `make test`
-# 659 s and 1,244 CPU s with torch's default two threads per process, 617 s and 1,146 CPU s with one.
+# contending for the same cores. Measured back to back on the idle 2-core AVX2 AMD EPYC, fresh clone, empty caches:
+# `make test` 686 s and 1,298 CPU s with torch's default two threads per process, 616 s and 1,146 CPU s with one
+# (two earlier pairs: 659 / 617 s; the same run varies by about 5 % between hours on this machine).
 TEST_THREADS ?= 1
 # the notebooks whose smoke run takes longest, longest first (each one's "[notebook] NAME took N s"); the others
 # take 30-45 s, so the run ends on short ones
