@@ -1,24 +1,18 @@
 # `make smoke`: every notebook with tiny parameters (notebooks/params/<name>.smoke.yaml),
 # outputs in build/smoke/ (figures/ is never touched). `make test` (and so CI) runs it beside pytest.
-# Notebooks run SMOKE_JOBS at a time (one kernel keeps about 0.7 of two cores busy), the longest first so
-# that none starts last; under `make test` they share its TEST_JOBS job slots with pytest instead. Two
-# notebooks that need the same calibration entry collect it once: the second waits for the first. A run
-# longer than SMOKE_BUDGET_S seconds fails. The target is `make test` within 10 minutes on 2 cores, and the
-# smoke run is what ends last: 459 s beside pytest on an idle 2-core AMD EPYC once, but 676 s and 716 s in two
-# fresh clones (pytest 538 s and 571 s beside it) on an idle 2-core AMD EPYC with AVX2 only, from empty caches,
-# and 730 s there before the changes of that measurement; CI's machine ran that older set in 778 s. After the
-# repository's tools stopped importing torch (one process per notebook): 666 s there (pytest 536 s beside it). The test
-# suite of the 459 s measurement takes 586 s alone on the AVX2 machine: the machines differ, not the tests. The budget
-# is set above the slower machines so that it catches a regression there instead of failing every run; on
-# those machines `make test` misses the 10-minute target.
+# Notebooks run SMOKE_JOBS at a time, the longest first so that none starts last; under `make test` they share
+# its TEST_JOBS job slots with pytest instead, and every process runs TEST_THREADS OpenMP threads: the slots
+# already fill the cores (pytest beside a notebook, the determinism test's two runs side by side), and two threads
+# per process contending for two cores cost CPU. Two notebooks that need the same calibration entry collect it
+# once: the second waits for the first. A run longer than SMOKE_BUDGET_S seconds fails.
+# The target is `make test` within 10 minutes on 2 cores. On an idle 2-core AMD EPYC with AVX2 only, from a fresh
+# clone and empty caches, it takes 616 s (1,146 CPU s; pytest 499 s of it) with one thread per process against
+# 686 s (1,298 CPU s) with torch's default two, measured back to back; the same run varies by about 5 % between
+# hours there. The budget sits above that machine's smoke run so that it catches a regression instead of
+# failing every run.
 SMOKE_BUDGET_S ?= 840
 SMOKE_JOBS ?= 2
 TEST_JOBS ?= 2
-# OpenMP threads per process under `make test`: its job slots already fill the cores (pytest beside a notebook,
-# the determinism test's two runs side by side), and one thread each spends less CPU than two threads each
-# contending for the same cores. Measured back to back on the idle 2-core AVX2 AMD EPYC, fresh clone, empty caches:
-# `make test` 686 s and 1,298 CPU s with torch's default two threads per process, 616 s and 1,146 CPU s with one
-# (two earlier pairs: 659 / 617 s; the same run varies by about 5 % between hours on this machine).
 TEST_THREADS ?= 1
 # the notebooks whose smoke run takes longest, longest first (each one's "[notebook] NAME took N s"); the others
 # take 30-45 s, so the run ends on short ones
