@@ -137,7 +137,7 @@ def test_cuda_stays_on_device():  # pragma: no cover - runs where a GPU exists
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_budget_counts_the_allocators_idle_memory():  # pragma: no cover - runs where a GPU exists
     """Memory the caching allocator holds for reuse is free for the gradients (mem_get_info calls it taken)."""
-    from fisherkron.core.operators import default_memory_budget
+    from fisherkron.core.gradient_stack import default_memory_budget
     dev = torch.device("cuda")
     before = default_memory_budget(dev)
     x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # 1 GiB, then idle in the allocator's cache

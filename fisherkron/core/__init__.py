@@ -5,6 +5,7 @@ module                 what it holds
 =====================  =====================================================================
 ``conventions``        ``vec`` (column-major), ``unvec``, ``kron``: the one convention
 ``operators``          the rearranged Fisher ``R(F)`` as a matrix-free operator (Sec. 4.1)
+``gradient_stack``     a layer's per-batch gradients, resident, memory-mapped or streamed in chunks
 ``stored``             gradients on disk: the 16-bit encodings and what a gradient source may hold
 ``factorization``      MFF, Algorithm 1: ``F ~= A (x) B`` by Lanczos on ``R(F)`` (Sec. 4)
 ``distributed``        data-parallel MFF over a ``torch.distributed`` group: one all-reduce per product
@@ -36,7 +37,8 @@ import importlib
 _EXPORTS = {
     "errors": ("FisherkronError",),
     "conventions": ("vec", "unvec", "kron"),
-    "operators": ("rearranged_fisher", "RearrangedFisher", "GradientStack", "matvec_flops"),
+    "operators": ("rearranged_fisher", "RearrangedFisher", "matvec_flops"),
+    "gradient_stack": ("GradientStack",),
     "factorization": ("mff", "MFFResult", "kronecker_terms", "MFF_DTYPES", "mff_dtype"),
     "kfac": ("kfac_factors", "KFACFactors"),
     "regularization": ("regularize", "Regularized", "MIN_ALPHA"),

@@ -54,7 +54,7 @@ class StoredGradients:
       ``scales`` (float16's 5 exponent bits would flush small gradients to zero; scaled, the
       relative rounding is ``2^-12``).
 
-    :class:`~fisherkron.core.operators.GradientStack` decodes them gradient by gradient while
+    :class:`~fisherkron.core.gradient_stack.GradientStack` decodes them gradient by gradient while
     it reads, so a stack in a 16-bit encoding takes half the disk and the same work memory.
     """
 
@@ -135,7 +135,7 @@ def _entry_encoding(path: Path, arr: np.ndarray, name: str) -> StoredGradients:
 
 
 def gradient_file(path, name: str = "gradients") -> np.ndarray | StoredGradients:
-    """The gradients of a ``.npy`` file, ready for :class:`~fisherkron.core.operators.GradientStack`.
+    """The gradients of a ``.npy`` file, ready for :class:`~fisherkron.core.gradient_stack.GradientStack`.
 
     A float32 or float64 file is opened memory-mapped as it is. A 16-bit file (float16 or
     ``uint16``) is fisherkron's compact encoding and is decoded only where its calibration
