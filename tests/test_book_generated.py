@@ -144,3 +144,32 @@ def test_where_a_finishing_run_spent_its_time_is_read_from_its_records_phases(tm
     assert phase_hours(Outputs(figs), ["tab_x", "tab_y"], top=2) == (
         "The finishing runs of the 2 finished notebooks took 2.28 h, of which calibration 1.06 h, scoring 0.53 h; "
         "the time of interrupted runs, whose caches the finishing runs read, is not split into phases.")
+
+
+def test_a_committed_runs_pauses_are_left_out_of_its_time_and_named_in_its_phases(tmp_path):
+    """A run stopped (SIGSTOP) for other measurements: its committed time (the notebook-costs table) and the
+    finishing runs' total leave the pause out; the phase shares, timed by the clock, say how much of the run was stopped."""
+    from fisherkron.repro import ledger
+    from fisherkron.repro.book.generated import phase_hours, phase_shares
+    from fisherkron.repro.book.records import run_seconds
+
+    figs, book = tmp_path / "figures", tmp_path / "data" / "ledger" / "cold"
+    figs.mkdir()
+    rec = {"name": "tab_x", "notebook": "notebooks/tab_x.py", "wall_seconds": 4000.0, "files": [],
+           "created_utc": "2026-01-01T02:00:00Z", "parameters": {}, "machine": {}, "git": None,
+           "phases": {"scoring": 3000.0}}
+    (figs / "tab_x.provenance.json").write_text(json.dumps(rec), encoding="utf-8")
+    end = 1767232800.0  # 2026-01-01T02:00:00Z
+    book.mkdir(parents=True)
+    (book / ledger.RUNS).write_text("".join(json.dumps(e) + "\n" for e in [
+        {"event": "start", "run": "r1", "notebook": "tab_x", "profile": "default", "t": end - 4000.0},
+        {"event": "paused", "run": "r1", "seconds": 1000.0, "t": end - 1000.0}]))
+    out = Outputs(figs)
+    assert run_seconds(out, "tab_x") == 4000.0
+    assert run_seconds(out, "tab_x", [book]) == 3000.0
+    assert phase_shares(out, "tab_x", ledgers=[book]) == (
+        "scoring 75 %, outside the library's phases 25 % (25 % of it stopped for other measurements, counted in the "
+        "phases it interrupted)")
+    assert phase_shares(out, "tab_x") == "scoring 75 %, outside the library's phases 25 %"
+    line = phase_hours(out, ["tab_x"], ledgers=[book])
+    assert "took 0.83 h" in line and "0.28 h for which a run was stopped" in line

@@ -175,6 +175,29 @@ def test_a_pause_that_cannot_be_is_refused_and_not_logged(tmp_path):
     assert '"paused"' in (cache / ledger.RUNS).read_text()
 
 
+def test_paused_within_counts_a_notebooks_pauses_inside_the_stretch_once(tmp_path):
+    """A committed run's wall time less its pauses: only the overlap of each pause ``[t - s, t]`` with the stretch
+    counts, another notebook's pauses do not, and a pause kept in two logs (a study's and the cold run's) counts
+    once."""
+    def log(folder, *events):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ledger.RUNS).write_text("".join(json.dumps(e) + "\n" for e in events))
+
+    start = {"event": "start", "run": "r1", "notebook": "fig_a", "profile": "default", "t": 1000.0}
+    other = {"event": "start", "run": "r2", "notebook": "fig_b", "profile": "default", "t": 1000.0}
+    inside = {"event": "paused", "run": "r1", "seconds": 50.0, "t": 1200.0}  # [1150, 1200]
+    straddling = {"event": "paused", "run": "r1", "seconds": 100.0, "t": 1550.0}  # [1450, 1550]: 50 s inside
+    before = {"event": "paused", "run": "r1", "seconds": 10.0, "t": 1005.0}  # [995, 1005]: 5 s inside
+    elsewhere = {"event": "paused", "run": "r2", "seconds": 70.0, "t": 1300.0}
+    log(tmp_path / "a", start, other, inside, straddling, elsewhere)
+    log(tmp_path / "b", start, inside, before)
+    got = ledger.paused_within("fig_a", 1000.0, 1500.0, [tmp_path / "a", tmp_path / "b"])
+    assert got == pytest.approx(50.0 + 50.0 + 5.0)
+    assert ledger.paused_within("fig_b", 1000.0, 1500.0, [tmp_path / "a"]) == pytest.approx(70.0)
+    assert ledger.paused_within("fig_a", 2000.0, 3000.0, [tmp_path / "a"]) == 0.0
+    assert ledger.paused_within("fig_a", 1000.0, 1500.0, [tmp_path / "missing"]) == 0.0
+
+
 def test_a_run_names_its_machine_with_the_cpus_vector_extensions(tmp_path, monkeypatch):
     from fisherkron.repro import figures
 

@@ -26,7 +26,8 @@ notebook has written that log since, one still running is counted up to the save
 same machine counts it further; a machine that cannot see the run any more leaves its last count). A run's largest
 count stands: a progress log may go quiet well before its run is stopped. Time a run spent stopped
 (:func:`run_paused`) is left out. :func:`run_costs` adds up, per notebook, the wall seconds of every run of it,
-interrupted ones included: what a study that resumed from the ledger cost in all.
+interrupted ones included: what a study that resumed from the ledger cost in all; :func:`paused_within` says how
+long a notebook was stopped within a stretch, so a committed run's wall time can leave its pauses out too.
 
 Command line::
 
@@ -55,8 +56,7 @@ from ..env import _pid_alive, atomic_write, data_root
 from .figures import cpu_isa, cpu_name, machine_label
 
 __all__ = ["KEPT", "RUNS", "ledger_root", "kept_files", "save", "restore", "run_started", "run_ended", "run_paused",
-           "run_machines",
-           "run_costs", "main"]
+           "run_machines", "run_costs", "paused_within", "main"]
 
 #: the cache files the ledger keeps: (folder under ``data/cache``, file pattern searched recursively)
 KEPT = (("studies", "*.json"), ("allocation", "sensitivity-*.json"))
@@ -271,6 +271,21 @@ def run_costs(ledger: Path | None = None, profile: str = "default") -> dict[str,
             c["seconds"] += max(float(close.get("seconds") or 0.0) - paused.get(e["run"], 0.0), 0.0)
             c["finished"] |= bool(close.get("event") == "end" and close.get("ok"))
     return out
+
+
+def paused_within(notebook: str, start: float, end: float, ledgers) -> float:
+    """Seconds that runs of ``notebook`` were stopped (:func:`run_paused`) between ``start`` and ``end`` (seconds
+    since the epoch), from the runs logs of the folders ``ledgers``: what a wall time measured over that stretch
+    (a provenance record's ``wall_seconds``) overstates. A pause is logged when it ends, so it covers
+    ``[t - seconds, t]``; only its overlap with ``[start, end]`` counts, and a pause kept in two logs counts once."""
+    events = {json.dumps(e, sort_keys=True): e for folder in ledgers for e in _read_runs(Path(folder) / RUNS)}
+    runs = {e["run"] for e in events.values() if e.get("event") == "start" and e.get("notebook") == notebook}
+    total = 0.0
+    for e in events.values():
+        if e.get("event") == "paused" and e.get("run") in runs:
+            t, s = float(e["t"]), float(e.get("seconds") or 0.0)
+            total += max(min(t, end) - max(t - s, start), 0.0)
+    return total
 
 
 def run_machines(ledger: Path | None = None, profile: str = "default") -> list[str]:

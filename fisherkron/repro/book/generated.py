@@ -25,7 +25,7 @@ from pathlib import Path
 from ...env import REPO_ROOT, atomic_write
 from .. import cold, ledger
 from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_targets, changed_since, machine_name,
-                      make_all_time, notebook_time, num, other_cpu, table, verify_records)
+                      make_all_time, notebook_time, num, other_cpu, paused_seconds, table, verify_records)
 from .sources import pages
 
 __all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "bench_decompositions", "bench_sweep",
@@ -85,11 +85,14 @@ def verify_table(out: Outputs, root: Path) -> str:
 
 
 def notebook_costs(out: Outputs, root: Path) -> str:
-    """Each notebook's page, paper item, ``make`` target and the wall time of its committed run."""
-    rows = [[f"[{p.title}]({p.name}.ipynb)", p.paper, f"`make {p.name}`", notebook_time(out, p.name)]
+    """Each notebook's page, paper item, ``make`` target and the wall time of its committed run, less the time it
+    was stopped for other measurements (the runs logs of ``data/ledger/`` and of the cold run's ledger)."""
+    ledgers = [root / "data" / "ledger", root / "data" / "ledger" / "cold"]
+    rows = [[f"[{p.title}]({p.name}.ipynb)", p.paper, f"`make {p.name}`", notebook_time(out, p.name, ledgers)]
             for p in pages(root)]
     return (table(["notebook", "paper item", "target", "committed run"], rows)
-            + f"\n\nIn all: {make_all_time(out)}.\n")
+            + f"\n\nIn all: {make_all_time(out, ledgers)} (time a run was stopped for other measurements left "
+              "out).\n")
 
 
 def bench(out: Outputs, root: Path) -> str:
@@ -145,10 +148,12 @@ def _finishing_record(out: Outputs, notebook: str) -> dict | None:
     return max(recs, key=lambda r: r["wall_seconds"]) if recs else None
 
 
-def phase_hours(out: Outputs, notebooks, top: int = 4) -> str:
+def phase_hours(out: Outputs, notebooks, top: int = 4, ledgers=()) -> str:
     """The ``top`` largest phases summed over the finishing runs of ``notebooks`` (:func:`phase_shares`'s
-    records), in hours, and the wall time of those runs: where the cold run's time went, in one line; "" when
-    none has phases. Interrupted runs are not split into phases: the caches they filled were read by these.
+    records), in hours, and the wall time of those runs less their pauses (:func:`paused_seconds`, from the runs
+    logs of ``ledgers``): where the cold run's time went, in one line; "" when none has phases. Interrupted runs
+    are not split into phases: the caches they filled were read by these. A phase is timed by the clock, so a
+    pause that fell inside it is in it; the line says how much.
 
     >>> phase_hours(Outputs(Path("/nonexistent")), ["tab_x"])
     ''
@@ -159,17 +164,23 @@ def phase_hours(out: Outputs, notebooks, top: int = 4) -> str:
     sums: Counter[str] = Counter()
     for rec in recs:
         sums.update(rec["phases"])
-    wall = sum(r["wall_seconds"] for r in recs)
+    paused = sum(paused_seconds(r, ledgers) for r in recs)
+    wall = sum(r["wall_seconds"] for r in recs) - paused
     parts = [f"{name} {num(sec / 3600, 2)} h" for name, sec in sums.most_common(top)]
+    stopped = (f" ({num(paused / 3600, 2)} h for which a run was stopped for other measurements are left out of "
+               "the total but counted in the phases they interrupted)") if paused >= 0.005 * wall else ""
     return (f"The finishing runs of the {len(recs)} finished notebooks took {num(wall / 3600, 2)} h, of which "
-            + ", ".join(parts) + "; the time of interrupted runs, whose caches the finishing runs read, is not split "
-            "into phases.")
+            + ", ".join(parts) + stopped + "; the time of interrupted runs, whose caches the finishing runs read, is "
+            "not split into phases.")
 
 
-def phase_shares(out: Outputs, notebook: str, top: int = 3) -> str:
+def phase_shares(out: Outputs, notebook: str, top: int = 3, ledgers=()) -> str:
     """Where the committed run of ``notebook`` spent its wall time: its ``top`` largest phases (the library's
     timed steps, :mod:`fisherkron.core.phases`, exclusive of each other) as shares of the run's wall time, read
-    from the record of that run with the longest wall time; "" when its records carry no phases.
+    from the record of that run with the longest wall time; "" when its records carry no phases. Where the run
+    was stopped for other measurements (:func:`paused_seconds`, from the runs logs of ``ledgers``) for 5 % of
+    that time or more, the share stopped is named: a phase is timed by the clock, so the phases it interrupted
+    include it.
 
     Only the process that finished the notebook is counted: a resumed notebook's earlier runs filled caches
     that this one read.
@@ -180,8 +191,10 @@ def phase_shares(out: Outputs, notebook: str, top: int = 3) -> str:
     wall, shares = rec["wall_seconds"], sorted(rec["phases"].items(), key=lambda kv: -kv[1])
     parts = [f"{name} {100 * sec / wall:.0f} %" for name, sec in shares[:top] if sec >= 0.005 * wall]
     rest = wall - sum(rec["phases"].values())
+    paused = paused_seconds(rec, ledgers)
     return ", ".join(parts + ([f"outside the library's phases {100 * rest / wall:.0f} %"] if rest > 0.05 * wall
-                              else []))
+                              else [])) + (f" ({100 * paused / wall:.0f} % of it stopped for other measurements, counted in "
+                                           "the phases it interrupted)" if paused >= 0.05 * wall else "")
 
 
 def cold_run(out: Outputs, root: Path) -> str:
@@ -194,10 +207,10 @@ def cold_run(out: Outputs, root: Path) -> str:
         return "The cold run has not started on this checkout (`make cold-run`).\n" + apart
     body = [[_page(r["notebook"], root), "yes" if r["finished"] else "no", num(r["runs"]),
              num(r["seconds"] / 3600, 2) if r["runs"] else "",
-             phase_shares(out, r["notebook"]) if r["finished"] else ""] for r in rows]
+             phase_shares(out, r["notebook"], ledgers=[book]) if r["finished"] else ""] for r in rows]
     total, finished = sum(r["seconds"] for r in rows), sum(r["finished"] for r in rows)
     target = _against_target(total / 3600, finished == len(rows), len(rows))
-    spent = phase_hours(out, [r["notebook"] for r in rows if r["finished"]])
+    spent = phase_hours(out, [r["notebook"] for r in rows if r["finished"]], ledgers=[book])
     return (table(["notebook", "finished", "runs", "hours", "where the finishing run's time went"], body)
             + f"\n\nIn all: {num(total / 3600, 2)} h of wall time, {finished} of {len(rows)} "
             f"notebooks finished, on {' and '.join(ledger.run_machines(book))} (pauses for other measurements left "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from ...core.errors import FisherkronError
 from ...env import file_checksum, read_committed
 from ..figures import cpu_model, machine_label, read_provenance, read_table
 
-__all__ = ["Outputs", "num", "pct", "sci", "secs", "table", "machine_name", "notebook_time", "make_all_time",
+__all__ = ["Outputs", "num", "pct", "sci", "secs", "table", "machine_name", "paused_seconds", "run_seconds", "notebook_time", "make_all_time",
            "verify_records", "changed_since", "other_cpu", "bench_table", "bench_minilm", "bench_targets",
            "bench_minutes"]
 
@@ -164,18 +166,34 @@ def machine_name(m: dict) -> str:
     """
     return machine_label(m.get("cpu_count"), m.get("cpu"), m.get("cpu_isa"))
 
-def notebook_time(out: Outputs, notebook: str) -> str:
-    """The wall time of a notebook's committed run (the latest of its records), or "not yet run"."""
-    names = out.records(notebook)
-    if not names:
-        return "not yet run"
-    return secs(max(out.wall(n) for n in names))
+def paused_seconds(rec: dict[str, Any], ledgers: Iterable[Path] = ()) -> float:
+    """How long the run that wrote record ``rec`` was stopped for other measurements between its first cell and
+    the record (its ``wall_seconds`` up to its ``created_utc``), as the runs logs of ``ledgers`` record
+    (:func:`fisherkron.repro.ledger.paused_within`); 0 for a record without its time."""
+    from .. import ledger
 
-def make_all_time(out: Outputs) -> str:
+    try:
+        end = datetime.strptime(str(rec.get("created_utc")), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return 0.0
+    wall, notebook = float(rec["wall_seconds"]), Path(str(rec.get("notebook"))).stem
+    return ledger.paused_within(notebook, end.timestamp() - wall, end.timestamp(), ledgers)
+
+def run_seconds(out: Outputs, notebook: str, ledgers: Iterable[Path] = ()) -> float:
+    """The wall time of a notebook's committed run: the ``wall_seconds`` of its last record (the largest), less
+    the time the run was stopped meanwhile (:func:`paused_seconds`)."""
+    rec = out.record(max(out.records(notebook), key=out.wall))
+    return float(rec["wall_seconds"]) - paused_seconds(rec, ledgers)
+
+def notebook_time(out: Outputs, notebook: str, ledgers: Iterable[Path] = ()) -> str:
+    """The wall time of a notebook's committed run (:func:`run_seconds`), or "not yet run"."""
+    return secs(run_seconds(out, notebook, ledgers)) if out.records(notebook) else "not yet run"
+
+def make_all_time(out: Outputs, ledgers: Iterable[Path] = ()) -> str:
     """The sum of every notebook's committed run time, and the machine when all ran on one kind."""
     recs = {out.record(p.name[: -len(".provenance.json")])["notebook"]: p for p in out.folder.glob("*.provenance.json")}
     nbs = sorted(nb for nb in recs if nb)
-    total = sum(max(out.wall(n) for n in out.records(Path(nb).stem)) for nb in nbs)
+    total = sum(run_seconds(out, Path(nb).stem, ledgers) for nb in nbs)
     machines = {cpu(out, n) for nb in nbs for n in out.records(Path(nb).stem)}
     where = f" on the {machines.pop()}" if len(machines) == 1 else ""
     return f"{secs(total)} for the {len(nbs)} notebooks{where}"
