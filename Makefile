@@ -116,7 +116,7 @@ HF_TRAIN_SRC := fisherkron/hf/truncation.py fisherkron/hf/recovery.py fisherkron
 HF_SRC   := $(filter-out $(HF_TRAIN_SRC),$(sort $(wildcard fisherkron/hf/*.py fisherkron/hf/*/*.py)))
 EXP      := fisherkron/experiments
 # the decoder study (its protocol, cases and scores; the sweep's noise; the transposition pitfall)
-LC_SRC   := $(addprefix $(EXP)/,llm_compression.py loss_noise.py pitfall.py)
+LC_SRC   := $(addprefix $(EXP)/,llm_compression.py cases.py loss_noise.py pitfall.py)
 
 # mk/notebooks.mk first: it defines the `notebook` macro the other mk files call
 include mk/notebooks.mk

@@ -12,7 +12,8 @@ module                      what it holds
 ``throughput``              FLOPs and measured speed of compressed decoders (App. F)
 ``glue``                    the encoder study (Sec. 6.2): splits, fine-tuning (cached), compression
 ``glue_summary``            its tables (Tab. glue_results, glue_extended) and verdicts
-``llm_compression``         the decoder study (Sec. 6.3 and appendices): protocol, cases, cached scores
+``llm_compression``         the decoder study (Sec. 6.3 and appendices): protocol, calibration, the study
+``cases``                   a case of it, the keys of its scores and the scores kept on disk
 ``loss_noise``              per-token and per-window losses; the sensitivity sweep's noise
 ``pitfall``                 GFWSVD with the output-side Cholesky factor untransposed (a public reimplementation)
 ``llm_summary``             the decoder study's tables in the paper's layout and its verdicts

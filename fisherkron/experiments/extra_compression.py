@@ -8,7 +8,7 @@ its example limits), three rows per method and ratio:
 
 * **(a) ``allocated``**: the method's weighted SVD at its per-layer ranks from one allocation rule
   (:attr:`Training.allocation`, default ``"fisher"``: no model evaluation), the decoder study's case
-  :class:`~fisherkron.experiments.llm_compression.Case` itself;
+  :class:`~fisherkron.experiments.cases.Case` itself;
 * **(b) ``dobi``**: Dobi-SVD's learned truncation on that decomposition
   (:func:`fisherkron.hf.truncation.learn_truncation`: one position ``gamma_l`` per layer through the mask
   ``0.5 tanh(beta (gamma - i)) + 0.5`` on the weighted singular values, every weight frozen, loss
@@ -314,7 +314,7 @@ class ExtraStudy:
 
     # -- keys
     def allocated_config(self, row: Row, kind: str) -> dict:
-        """(a)'s key: the decoder study's :func:`~fisherkron.experiments.llm_compression.case_config` (which names
+        """(a)'s key: the decoder study's :func:`~fisherkron.experiments.cases.case_config` (which names
         the calibration for plain SVD too where the allocation reads it)."""
         return self.study.config(self.case(row), kind)
 

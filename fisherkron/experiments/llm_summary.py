@@ -547,7 +547,7 @@ COST_NAMES = {"compress": "compression", "heldout": "held-out loss", "ppl": "per
 
 def cost_line(first: dict[str, float], computed: dict[str, float]) -> str:
     """The verdict line of a notebook's scoring cost: ``first`` the seconds of every score it used as they were
-    first measured, by kind (:func:`fisherkron.experiments.llm_compression.first_seconds`), ``computed`` the
+    first measured, by kind (:func:`fisherkron.experiments.cases.first_seconds`), ``computed`` the
     seconds this run spent (``Study.timings``)."""
     total = sum(first.values())
     parts = ", ".join(f"{COST_NAMES.get(k, k)} {v / 60:.1f}" for k, v in sorted(first.items(), key=lambda kv: -kv[1]))

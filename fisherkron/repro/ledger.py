@@ -5,7 +5,7 @@ caches under ``data/cache/`` are not committed. The ledger keeps the small, fina
 ``data/ledger/`` with the same relative paths:
 
 * ``studies/**.json``: one score of one case (held-out loss, perplexity windows, lm-eval results), named by the
-  hash of everything it depends on (``experiments.llm_compression.case_config``: the model's fingerprint, the
+  hash of everything it depends on (``experiments.cases.case_config``: the model's fingerprint, the
   calibration's key, the library sources, the evaluation settings);
 * ``allocation/sensitivity-*.json``: the one-point and sensitivity sweeps, named by their own key
   (``hf.sensitivity.sweep_key``), written layer by layer.
