@@ -18,6 +18,7 @@ module                      what it holds
 ``pitfall``                 GFWSVD with the output-side Cholesky factor untransposed (a public reimplementation)
 ``llm_summary``             the decoder study's tables in the paper's layout and its verdicts
 ``extra_compression``       learned truncation and LoRA recovery on a weighted SVD (Sec. 6.4)
+``extra_summary``           its table (Tab. extra-compression-results) and verdicts
 ``rank_allocation``         the rank-allocation study (Sec. 6.3 protocol): methods x allocations x ratios
 ``allocation_cost``         five rank allocations: quality against the evaluations they spend
 ``calibration_study``       calibration at scale: quality and cost against k and granularity
