@@ -148,7 +148,8 @@ def test_where_a_finishing_run_spent_its_time_is_read_from_its_records_phases(tm
 
 def test_a_committed_runs_pauses_are_left_out_of_its_time_and_named_in_its_phases(tmp_path):
     """A run stopped (SIGSTOP) for other measurements: its committed time (the notebook-costs table) and the
-    finishing runs' total leave the pause out; the phase shares, timed by the clock, say how much of the run was stopped."""
+    finishing runs' total leave the pause out; the phase shares, timed by the clock, say how much of the run was
+    stopped."""
     from fisherkron.repro import ledger
     from fisherkron.repro.book.generated import phase_hours, phase_shares
     from fisherkron.repro.book.records import run_seconds

@@ -10,11 +10,12 @@ This module runs all of it with one protocol, the same for every method:
   ``docs[:calib_docs]``, every statistic any method of :data:`STUDY_METHODS` reads, collected once;
 * **held-out batches** from the other documents, split by document into the sensitivity sweep's
   batches and the *selection* batches on which each method's best allocation is chosen
-  (:func:`~fisherkron.experiments.cases.best_allocation`); the evaluation texts are never seen by calibration, sweep or choice;
+  (:func:`~fisherkron.experiments.cases.best_allocation`); the evaluation texts are never seen by calibration,
+  sweep or choice;
 * **the sweep as ASVD runs it**: its candidate per-layer ratios (:data:`ASVD_CANDIDATES`, ASVD4LLM's
   ``param_ratio_candidates`` in our convention), its noise measured by :func:`sweep_noise`;
-* **evaluation** (:data:`~fisherkron.experiments.cases.KINDS`): held-out loss, perplexity of the Wikipedia text (WikiText-2's
-  role) and PTB test, lm-eval's zero-shot tasks and 5-shot MMLU with a per-task example limit.
+* **evaluation** (:data:`~fisherkron.experiments.cases.KINDS`): held-out loss, perplexity of the Wikipedia text
+  (WikiText-2's role) and PTB test, lm-eval's zero-shot tasks and 5-shot MMLU with a per-task example limit.
 
 A case (:class:`~fisherkron.experiments.cases.Case`: method, allocation, ratio) is compressed once per missing
 evaluation and each evaluation is kept as one JSON file under ``data/cache/studies/llm_compression/`` whose name

@@ -192,9 +192,10 @@ def phase_shares(out: Outputs, notebook: str, top: int = 3, ledgers=()) -> str:
     parts = [f"{name} {100 * sec / wall:.0f} %" for name, sec in shares[:top] if sec >= 0.005 * wall]
     rest = wall - sum(rec["phases"].values())
     paused = paused_seconds(rec, ledgers)
-    return ", ".join(parts + ([f"outside the library's phases {100 * rest / wall:.0f} %"] if rest > 0.05 * wall
-                              else [])) + (f" ({100 * paused / wall:.0f} % of it stopped for other measurements, counted in "
-                                           "the phases it interrupted)" if paused >= 0.05 * wall else "")
+    outside = [f"outside the library's phases {100 * rest / wall:.0f} %"] if rest > 0.05 * wall else []
+    stopped = (f" ({100 * paused / wall:.0f} % of it stopped for other measurements, counted in the phases it "
+               "interrupted)") if paused >= 0.05 * wall else ""
+    return ", ".join(parts + outside) + stopped
 
 
 def cold_run(out: Outputs, root: Path) -> str:

@@ -20,7 +20,8 @@ from ...core.errors import FisherkronError
 from ...env import file_checksum, read_committed
 from ..figures import cpu_model, machine_label, read_provenance, read_table
 
-__all__ = ["Outputs", "num", "pct", "sci", "secs", "table", "machine_name", "paused_seconds", "run_seconds", "notebook_time", "make_all_time",
+__all__ = ["Outputs", "num", "pct", "sci", "secs", "table", "machine_name", "paused_seconds", "run_seconds",
+           "notebook_time", "make_all_time",
            "verify_records", "changed_since", "other_cpu", "bench_table", "bench_minilm", "bench_targets",
            "bench_minutes"]
 
