@@ -49,10 +49,13 @@ def relative_paths(text: str) -> str:
 #: other escape sequence (a colour)
 _BREAK = re.compile(r"\n|\x1b\[[0-9;]*[ABEF]")
 _ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b")
-#: a tqdm progress bar: its label (``desc``), then a percentage and bar, or a count of iterations
-_BAR = re.compile(r"^(?P<label>.*?)[: ]*(?:\d{1,3}%\||\d+(?:\.\d+)?[kMG]?it \[)")
-#: how far a bar got: ``n`` of ``| n/total`` or of ``nit [``
-_DONE = re.compile(r"\|\s*(\d+)/|(\d+)it \[")
+#: a tqdm progress bar: its label (``desc``), then a percentage and bar, or a count in its unit (``7it [``,
+#: ``100 examples [``) and the elapsed time
+_BAR = re.compile(r"^(?P<label>.*?)[: ]*(?:\d{1,3}%\||\d+(?:\.\d+)?[kMG]?(?:it| [A-Za-z]+) \[\d)")
+#: how far a bar got: ``n`` of ``| n/total``, of ``nit [`` or of ``n examples [``
+_DONE = re.compile(r"\|\s*(\d+)/|(\d+)(?:it| [A-Za-z]+) \[\d")
+#: a run of this many lines or more that differ in one word only is shown as its first line and a count
+_ALIKE = 3
 
 
 def settled_stderr(text: str) -> str:
@@ -63,13 +66,25 @@ def settled_stderr(text: str) -> str:
     ends it. Lines that are progress bars (tqdm's ``label: 42%|...|`` or ``label: 7it [...``) with the same
     label are one bar, shown where it first appeared at the furthest it got (the last such update): a sweep's
     bar that each case of a study opens again shows the case that did the work, not the last one, which found
-    it cached. A warning repeated in every case is shown once.
+    it cached. A warning repeated in every case is shown once, and a run of :data:`_ALIKE` or more lines that
+    differ from the first in the same one word (a library's note about each of 57 tasks) as the first and a
+    count.
 
     >>> settled_stderr("\\rbar: 0%|  | 0/2\\rbar: 50%|# | 1/2\\rbar: 100%|##| 2/2\\n")
     'bar: 100%|##| 2/2\\n'
     >>> settled_stderr("\\rall: 0%| | 0/2\\n\\rin: 2it [00:01]\\x1b[A\\rall: 50%| | 1/2\\nslow\\n\\rin: 0it [00:00]"
     ...                "\\x1b[A\\rall: 100%| | 2/2\\nslow\\n\\x1b[31mdone\\x1b[0m")
     'all: 100%| | 2/2\\nin: 2it [00:01]\\nslow\\ndone'
+    >>> print(settled_stderr("split: 100 examples [00:00, 9.1 examples/s]\\nsplit: 135 examples [00:00, 8.0 "
+    ...                      "examples/s]\\nset a to 5\\nset b to 5\\nset c to 5\\nset d to 6\\nfit (a): 0it [00:00]\\n"
+    ...                      "fit (b): 0it [00:00]\\nfit (c): 0it [00:00]\\n"))
+    split: 135 examples [00:00, 8.0 examples/s]
+    set a to 5 (and 2 more lines like it)
+    set d to 6
+    fit (a): 0it [00:00]
+    fit (b): 0it [00:00]
+    fit (c): 0it [00:00]
+    <BLANKLINE>
     """
     order: list[tuple[str, str]] = []
     last: dict[tuple[str, str], str] = {}
@@ -84,8 +99,29 @@ def settled_stderr(text: str) -> str:
         elif bar and _done(line) < _done(last[key]):
             continue  # an earlier instance of this bar got further
         last[key] = line
-    shown = [last[k] for k in order]
+    shown = _alike_runs([last[k] for k in order], bars={n for n, k in enumerate(order) if k[0] == "bar"})
     return "\n".join(shown) + ("\n" if shown and text.endswith("\n") else "")
+
+
+def _alike_runs(lines: list[str], bars: set[int] = frozenset()) -> list[str]:
+    """``lines`` with each run of :data:`_ALIKE` or more consecutive lines that differ from the run's first line in
+    the same one word (and in nothing else) shown as that first line and how many more there were; the lines
+    numbered in ``bars`` (progress bars, each its own) are never part of a run."""
+    out, i = [], 0
+    while i < len(lines):
+        first, j, at = lines[i].split(), i + 1, None
+        while j < len(lines) and i not in bars and j not in bars:
+            words = lines[j].split()
+            diff = [n for n, (a, b) in enumerate(zip(first, words)) if a != b]
+            if len(words) != len(first) or len(diff) != 1 or (at is not None and diff[0] != at):
+                break
+            at, j = diff[0], j + 1
+        if j - i >= _ALIKE:
+            out.append(f"{lines[i]} (and {j - i - 1} more lines like it)")
+        else:
+            out += lines[i:j]
+        i = j
+    return out
 
 
 def _done(line: str) -> int:
