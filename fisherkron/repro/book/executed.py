@@ -49,11 +49,12 @@ def relative_paths(text: str) -> str:
 #: other escape sequence (a colour)
 _BREAK = re.compile(r"\n|\x1b\[[0-9;]*[ABEF]")
 _ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b")
-#: a tqdm progress bar: its label (``desc``), then a percentage and bar, or a count in its unit (``7it [``,
-#: ``100 examples [``) and the elapsed time
-_BAR = re.compile(r"^(?P<label>.*?)[: ]*(?:\d{1,3}%\||\d+(?:\.\d+)?[kMG]?(?:it| [A-Za-z]+) \[\d)")
-#: how far a bar got: ``n`` of ``| n/total``, of ``nit [`` or of ``n examples [``
-_DONE = re.compile(r"\|\s*(\d+)/|(\d+)(?:it| [A-Za-z]+) \[\d")
+#: a tqdm progress bar: its label (``desc``), then a percentage and bar, a count of iterations (``7it [``), or a
+#: count in another unit followed by tqdm's elapsed time (``100 examples [00:00``: a line such as ``kept 3 layers
+#: [0, 1, 2]`` is not a bar)
+_BAR = re.compile(r"^(?P<label>.*?)[: ]*(?:\d{1,3}%\||\d+(?:\.\d+)?[kMG]?(?:it \[| [A-Za-z]+ \[\d+:\d\d))")
+#: how far a bar got: ``n`` of ``| n/total``, of ``nit [`` or of ``n examples [00:00``
+_DONE = re.compile(r"\|\s*(\d+)/|(\d+)(?:it \[| [A-Za-z]+ \[\d+:\d\d)")
 #: a run of this many lines or more that differ in one word only is shown as its first line and a count
 _ALIKE = 3
 
@@ -77,13 +78,16 @@ def settled_stderr(text: str) -> str:
     'all: 100%| | 2/2\\nin: 2it [00:01]\\nslow\\ndone'
     >>> print(settled_stderr("split: 100 examples [00:00, 9.1 examples/s]\\nsplit: 135 examples [00:00, 8.0 "
     ...                      "examples/s]\\nset a to 5\\nset b to 5\\nset c to 5\\nset d to 6\\nfit (a): 0it [00:00]\\n"
-    ...                      "fit (b): 0it [00:00]\\nfit (c): 0it [00:00]\\n"))
+    ...                      "fit (b): 0it [00:00]\\nfit (c): 0it [00:00]\\nkept 3 layers [0, 1]\\n"
+    ...                      "kept 2 layers [4, 5]\\n"))
     split: 135 examples [00:00, 8.0 examples/s]
     set a to 5 (and 2 more lines like it)
     set d to 6
     fit (a): 0it [00:00]
     fit (b): 0it [00:00]
     fit (c): 0it [00:00]
+    kept 3 layers [0, 1]
+    kept 2 layers [4, 5]
     <BLANKLINE>
     """
     order: list[tuple[str, str]] = []
