@@ -17,6 +17,7 @@ model registry to find a path.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import importlib.util
 import json
@@ -478,7 +479,16 @@ def code_text(source: str) -> str:
     >>> a = code_text('def f(x):\\n    "Doc."\\n    return x + 1  # one')
     >>> a == code_text("def f(x):\\n    return (x + 1)"), a == code_text("def f(x):\\n    return x + 2")
     (True, False)
+
+    The answer for a given text is kept for the process (parsing a module is most of a cache key's cost, and
+    one notebook computes the same key many times); the text itself is the memo's key, so an edited file is
+    parsed again.
     """
+    return _code_text(source)
+
+
+@functools.lru_cache(maxsize=512)
+def _code_text(source: str) -> str:
     import ast
     import textwrap
 

@@ -50,10 +50,14 @@ def _sync(device: torch.device) -> None:
 
 def gemm_peak(device=None, dtype: torch.dtype = torch.float32, seconds: float = 3.0,
               size: int | None = None) -> float:
-    """Best GFLOP/s of float32 GEMMs over ``seconds``: square ``size`` (4096 CPU, 8192 CUDA) and
-    a long-inner-dimension shape like the MFF products (``size/4 x 4 size`` times ``4 size x size/4``)."""
+    """Best GFLOP/s of float32 GEMMs over ``seconds``: square ``size`` (2048 CPU, 8192 CUDA) and
+    a long-inner-dimension shape like the MFF products (``size/4 x 4 size`` times ``4 size x size/4``).
+
+    Each shape gets half of ``seconds`` after one untimed GEMM. On a CPU, 2048 is already at the GEMM
+    rate and leaves room for several timed GEMMs; one GEMM of 4096 takes about 3 s on one core, so a
+    budget of a few seconds timed a single cold one and the call took twice its budget or more."""
     device = torch.device(device or "cpu")
-    N = size or (8192 if device.type == "cuda" else 4096)
+    N = size or (8192 if device.type == "cuda" else 2048)
     best = 0.0
     for (p, q, r) in [(N, N, N), (N // 4, 4 * N, N // 4)]:
         a = torch.randn(p, q, device=device, dtype=dtype)
