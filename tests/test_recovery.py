@@ -165,5 +165,20 @@ def test_planted_overlaps_are_found_wherever_they_sit(evaluation):
     assert all(o.text in normalise(" ".join(evaluation[o.source])) for o in hits)
 
 
+def test_normalise_keeps_exactly_the_letters_a_z_of_the_lower_cased_text():
+    """Byte deletion gives what the regular expression [^a-z] leaves, for text outside ASCII too (the Kelvin
+    sign lower-cases to an ASCII k, a dotted capital I to an i and a combining dot)."""
+    import random
+    import re
+
+    ptb, other = re.compile(r"<unk>|\bN\b"), re.compile(r"[^a-z]+")
+    rng = random.Random(0)
+    alphabet = "aZ9 -'<>unkN\u212a\u0130\u00e9\u00df\u03a3\u4e2d\n\t|"
+    texts = ["Don't stop -- N <unk> Believin' 1979!", "\u212aelvin \u0130stanbul caf\u00e9 Stra\u00dfe", ""]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(40))) for _ in range(300)]
+    for t in texts:
+        assert normalise(t) == other.sub("", ptb.sub(" ", t).lower()), t
+
+
 def test_the_c4_training_documents_share_no_span_with_any_evaluation_text(evaluation):
     assert check_disjoint(c4_documents(), evaluation) == []

@@ -440,7 +440,7 @@ def recover(model: nn.Module, batches, *, tokens: int | None = None, steps: int 
 
 # ----------------------------------------------------------------------------- training text vs evaluation text
 
-_NOT_LETTER = re.compile(r"[^a-z]+")
+_NOT_LETTER = bytes(c for c in range(128) if not ord("a") <= c <= ord("z"))  # the ASCII bytes that are no letter
 _PTB_TOKENS = re.compile(r"<unk>|\bN\b")
 _BASE = 0x100000001B3  # odd, so invertible modulo 2^64
 _INV = pow(_BASE, -1, 1 << 64)
@@ -452,7 +452,8 @@ def normalise(text: str) -> str:
     >>> normalise("Don't stop -- N <unk> Believin' 1979!")
     'dontstopbelievin'
     """
-    return _NOT_LETTER.sub("", _PTB_TOKENS.sub(" ", text).lower())
+    # what [^a-z] leaves of the lower-cased text: no character outside ASCII is a letter a-z, then ASCII's others
+    return _PTB_TOKENS.sub(" ", text).lower().encode("ascii", "ignore").translate(None, _NOT_LETTER).decode("ascii")
 
 
 def _window_hashes(s: str, span: int) -> np.ndarray:
@@ -531,6 +532,12 @@ def check_disjoint(documents, evaluation: dict, *, span: int = OVERLAP_SPAN) -> 
                             ((hashes, np.uint64), (owner, np.int64), (start, np.int64)))
     order = np.argsort(hashes, kind="stable")
     hashes, owner, start = hashes[order], owner[order], start[order]
+    # which top bits the documents' windows have, in a table about eight times their number: most evaluation
+    # windows miss it and are never searched for (a binary search of every window took most of the time)
+    bits = min(26, max(16, (8 * len(hashes)).bit_length()))
+    shift = np.uint64(64 - bits)
+    present = np.zeros(1 << bits, dtype=bool)
+    present[hashes >> shift] = True
     short = [i for i, d in enumerate(docs) if 0 < len(d) < span]
     found: dict[tuple[int, str], Overlap] = {}
     for source, texts in evaluation.items():
@@ -542,11 +549,14 @@ def check_disjoint(documents, evaluation: dict, *, span: int = OVERLAP_SPAN) -> 
         if not len(hashes):
             continue
         h = _window_hashes(blob, span)
-        at = np.minimum(np.searchsorted(hashes, h), len(hashes) - 1)
-        for pos in np.nonzero(hashes[at] == h)[0]:
+        cand = np.nonzero(present[h >> shift])[0]  # a window whose top bits no document window has cannot match
+        hc = h[cand]
+        at = np.minimum(np.searchsorted(hashes, hc), len(hashes) - 1)
+        for idx in np.nonzero(hashes[at] == hc)[0]:
+            pos = int(cand[idx])
             text = blob[pos:pos + span]
-            k = int(at[pos])
-            while k < len(hashes) and hashes[k] == h[pos]:
+            k = int(at[idx])
+            while k < len(hashes) and hashes[k] == hc[idx]:
                 i, j = int(owner[k]), int(start[k])
                 if (i, source) not in found and docs[i][j:j + span] == text:
                     found[(i, source)] = Overlap(i, source, text)
