@@ -48,6 +48,19 @@ bench-lm-eval: $(LMEVAL_OUT) ## seconds per lm-eval call on SmolLM2 (MMLU 5-shot
 $(LMEVAL_OUT) &: scripts/bench_lm_eval_tasks.py fisherkron/hf/evaluate.py fisherkron/hf/lm_eval_tasks.py | $(STAMP)
 	$(PY) scripts/bench_lm_eval_tasks.py --out $(BENCH_DIR)
 
+# Fixed costs of every notebook and many tests (scripts/bench_overheads.py): the code hashes of cache keys parsed on
+# every call against once per process, the training documents' check against the evaluation texts, and the GEMM peak
+# measurement at sizes 4096 and 2048. A benchmark, not a test.
+OVERHEADS_OUT := $(foreach s,bench_code_hashes bench_disjoint bench_gemm_peak,\
+                   $(foreach e,csv md tex provenance.json,$(BENCH_DIR)/$s.$e))
+
+.PHONY: bench-overheads
+.PRECIOUS: $(OVERHEADS_OUT)
+bench-overheads: $(OVERHEADS_OUT) ## cache-key code hashes (parsed every call vs once), disjointness check, GEMM peak (1 min)
+$(OVERHEADS_OUT) &: scripts/bench_overheads.py fisherkron/env.py fisherkron/experiments/benchmark.py \
+                    fisherkron/hf/recovery.py | $(STAMP)
+	$(PY) scripts/bench_overheads.py --out $(BENCH_DIR)
+
 # Weighted SVDs read back from disk by the next notebook against computed (scripts/bench_decompositions.py).
 DECOMP_OUT := $(foreach e,csv md tex provenance.json,$(BENCH_DIR)/bench_decompositions.$e)
 

@@ -15,12 +15,12 @@ from fisherkron.experiments.synthetic_gradients import ar1_cholesky, synthetic_g
 from fisherkron.testing import (EPS64, F64_REL, FLOAT64, MFF_F32_REL, MFF_REF_TOL, MONTE_CARLO_REL, abs_sum_scale,
                                 assert_close_f32, dense_fisher, dense_rearrangement, float32_tol)
 
-def _load_script():
+def _load_script(name: str = "bench_mff"):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_mff.py"
-    spec = importlib.util.spec_from_file_location("bench_mff", path)
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -140,6 +140,21 @@ def test_cli_quick_writes_csv_and_markdown(tmp_path, capsys):
     assert (df["ours_err"] < MFF_F32_REL).all() and (df["authors_err"] < MFF_F32_REL).all()
     assert (tmp_path / "bench_mff.md").read_text().startswith("| case")
     assert "GEMM peak" in capsys.readouterr().out
+
+
+def test_overheads_benchmark_times_both_ways_and_finds_the_same_keys(tmp_path):
+    """``scripts/bench_overheads.py --quick``: each code hash timed parsed on every call and once per process,
+    with equal keys, and the GEMM peak by size; both tables with their provenance."""
+    import pandas as pd
+
+    assert _load_script("bench_overheads").main(["--quick", "--out", str(tmp_path)]) == 0
+    hashes, peaks = pd.read_csv(tmp_path / "bench_code_hashes.csv"), pd.read_csv(tmp_path / "bench_gemm_peak.csv")
+    assert len(hashes) == 6 and hashes["same key"].all() and (hashes["seconds per call"] > 0).all()
+    assert set(hashes["sources"]) == {"parsed on every call", "parsed once per process"}
+    assert list(peaks["size"]) == [256, 128] and (peaks["GFLOP/s"] > 0).all()
+    stems = ("bench_code_hashes", "bench_disjoint", "bench_gemm_peak")
+    assert all((tmp_path / f"{s}.provenance.json").is_file() for s in stems)
+    assert pd.read_csv(tmp_path / "bench_disjoint.csv")["overlaps"].tolist() == [0]
 
 
 @pytest.mark.parametrize("n,m,k", [(23, 9, 5), (7, 19, 4)])

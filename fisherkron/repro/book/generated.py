@@ -12,6 +12,8 @@ committed files only (:mod:`.records` reads and formats them):
   default, as ``fisherkron compress`` runs them) with the machine that measured it;
 * ``bench_decompositions.md``: the ``make bench-decompositions`` table;
 * ``bench_sweep.md``: the ``make bench-sweep`` tables;
+* ``bench_overheads.md``: the ``make bench-overheads`` tables (cache keys' code hashes, the disjointness check,
+  the GEMM peak);
 * ``cold_run.md``: the cold run's notebooks, their runs and wall time over all of them, from its committed
   runs log (``data/ledger/cold/``, :mod:`fisherkron.repro.cold`), and where each finishing run's time went
   (its record's phases).
@@ -29,7 +31,7 @@ from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_t
 from .sources import pages
 
 __all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "bench_decompositions", "bench_sweep",
-           "phase_shares", "phase_hours", "cold_run", "write_generated"]
+           "bench_overheads", "phase_shares", "phase_hours", "cold_run", "write_generated"]
 
 #: the folder, inside the book's source folder, that the pages include from
 FOLDER = "_generated"
@@ -38,6 +40,7 @@ _BENCH_FIGURE = "fig_bench_mff.png"
 _RECIPE = "bench/bench_recipe"
 _DECOMPOSITIONS = "bench/bench_decompositions"
 _SWEEP = "bench/bench_sweep"
+_OVERHEADS = ("bench/bench_code_hashes", "bench/bench_disjoint", "bench/bench_gemm_peak")
 
 
 def _page(name: str, root: Path) -> str:
@@ -120,6 +123,15 @@ def _bench_run(out: Outputs, stem: str, target: str) -> str:
     return where + "\n\n" + out.markdown(stem).rstrip() + "\n"
 
 
+def _bench_runs(out: Outputs, stems: tuple[str, ...], target: str) -> str:
+    """Several tables of one benchmark: the machine once, then each table under its caption."""
+    if not all((out.folder / f"{s}.provenance.json").is_file() for s in stems):
+        return f"`make {target}` has not been run on this checkout yet.\n"
+    where = _bench_run(out, stems[0], target).split("\n\n", 1)[0]
+    tables = [f"{out.record(s).get('caption') or ''}\n\n{out.markdown(s).rstrip()}" for s in stems]
+    return "\n\n".join([where, *tables]) + "\n"
+
+
 def bench_recipe(out: Outputs, root: Path) -> str:
     """The committed ``make bench-recipe`` table and the machine that measured it (or that it has not run)."""
     return _bench_run(out, _RECIPE, "bench-recipe")
@@ -128,6 +140,11 @@ def bench_recipe(out: Outputs, root: Path) -> str:
 def bench_decompositions(out: Outputs, root: Path) -> str:
     """The committed ``make bench-decompositions`` table and the machine that measured it."""
     return _bench_run(out, _DECOMPOSITIONS, "bench-decompositions")
+
+
+def bench_overheads(out: Outputs, root: Path) -> str:
+    """The committed ``make bench-overheads`` tables: cache keys' code hashes, the disjointness check, the GEMM peak."""
+    return _bench_runs(out, _OVERHEADS, "bench-overheads")
 
 
 def bench_sweep(out: Outputs, root: Path) -> str:
@@ -243,7 +260,7 @@ def _run_apart(root: Path) -> str:
 
 _PAGES = {"verify_record": verify_table, "notebook_costs": notebook_costs, "bench": bench,
           "bench_recipe": bench_recipe, "bench_decompositions": bench_decompositions, "bench_sweep": bench_sweep,
-          "cold_run": cold_run}
+          "bench_overheads": bench_overheads, "cold_run": cold_run}
 
 
 def write_generated(out_dir: Path, root: Path = REPO_ROOT) -> list[Path]:
