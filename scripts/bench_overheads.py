@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-r"""Benchmark two fixed costs every notebook and many tests pay: a benchmark, not a test.
+r"""Benchmark three fixed costs that notebooks and tests pay: a benchmark, not a test.
 
 * **The code part of cache keys.** A calibration entry, a sensitivity sweep and a decoder-study case are keyed
   by a hash of what their source files compute (:func:`fisherkron.env.code_digest`), which parses each file

@@ -144,7 +144,8 @@ def test_cli_quick_writes_csv_and_markdown(tmp_path, capsys):
 
 def test_overheads_benchmark_times_both_ways_and_finds_the_same_keys(tmp_path):
     """``scripts/bench_overheads.py --quick``: each code hash timed parsed on every call and once per process,
-    with equal keys, and the GEMM peak by size; both tables with their provenance."""
+    with equal keys, the disjointness check (no overlap) and the GEMM peak by size; the three tables with their
+    provenance."""
     import pandas as pd
 
     assert _load_script("bench_overheads").main(["--quick", "--out", str(tmp_path)]) == 0

@@ -112,24 +112,27 @@ def bench(out: Outputs, root: Path) -> str:
                         bench_targets(out)]) + "\n"
 
 
+def _bench_where(out: Outputs, stem: str, target: str) -> str:
+    """The sentence naming the machine and the date of a committed benchmark record ``figures/<stem>``."""
+    rec = out.record(stem)
+    return (f"The committed run: `make {target}` on a {machine_name(rec['machine'])}, finished "
+            f"{str(rec.get('created_utc', ''))[:10] or 'on a date not recorded'}. A wall time is an upper bound where "
+            "other processes took a share of the cores (the column \"other load\" or the last one).")
+
+
 def _bench_run(out: Outputs, stem: str, target: str) -> str:
     """A committed benchmark table (``figures/<stem>``) and the machine that measured it (or that it has not run)."""
     if not (out.folder / f"{stem}.provenance.json").is_file():
         return f"`make {target}` has not been run on this checkout yet.\n"
-    rec = out.record(stem)
-    where = (f"The committed run: `make {target}` on a {machine_name(rec['machine'])}, finished "
-             f"{str(rec.get('created_utc', ''))[:10] or 'on a date not recorded'}. A wall time is an upper bound where "
-             "other processes took a share of the cores (the column \"other load\" or the last one).")
-    return where + "\n\n" + out.markdown(stem).rstrip() + "\n"
+    return _bench_where(out, stem, target) + "\n\n" + out.markdown(stem).rstrip() + "\n"
 
 
 def _bench_runs(out: Outputs, stems: tuple[str, ...], target: str) -> str:
     """Several tables of one benchmark: the machine once, then each table under its caption."""
     if not all((out.folder / f"{s}.provenance.json").is_file() for s in stems):
         return f"`make {target}` has not been run on this checkout yet.\n"
-    where = _bench_run(out, stems[0], target).split("\n\n", 1)[0]
     tables = [f"{out.record(s).get('caption') or ''}\n\n{out.markdown(s).rstrip()}" for s in stems]
-    return "\n\n".join([where, *tables]) + "\n"
+    return "\n\n".join([_bench_where(out, stems[0], target), *tables]) + "\n"
 
 
 def bench_recipe(out: Outputs, root: Path) -> str:
