@@ -125,3 +125,12 @@ def test_a_start_that_is_not_a_perf_counter_reading_is_refused():
     with pytest.raises(FisherkronError, match="perf_counter"):
         provenance("x", started=time.time())  # seconds since 1970: a negative wall time
     assert 0.0 <= provenance("x", started=time.perf_counter())["wall_seconds"] < 60
+
+
+def test_machine_info_names_the_kernels_torch_runs(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    assert figures.machine_info()["kernels"] == f"ATen {torch.backends.cpu.get_cpu_capability()}"
+    monkeypatch.setenv("MKL_CBWR", "AVX2")  # a pinned MKL branch is part of what gives the bits
+    assert figures.cpu_kernels().endswith(", MKL_CBWR=AVX2")

@@ -42,7 +42,7 @@ from . import tolerance
 
 __all__ = ["repo_root", "output_dir", "save_figure", "save_table", "provenance",
            "write_provenance", "read_provenance", "read_table", "latex_table", "machine_info", "cpu_name", "cpu_isa",
-           "cpu_model", "machine_label", "git_commit"]
+           "cpu_kernels", "cpu_model", "machine_label", "git_commit"]
 
 _T0 = time.perf_counter()  # import time of this module: the start of a notebook's clock by default
 
@@ -153,6 +153,19 @@ def cpu_isa(flags: str | None = None) -> str | None:
     return ", ".join(name for flag, name in ISA if flag in have) or "none"
 
 
+def cpu_kernels() -> str:
+    """Which CPU kernels torch runs: ATen's vectorised code (``ATEN_CPU_CAPABILITY`` can lower it from the
+    CPU's best) and MKL's code branch where ``MKL_CBWR`` pins one, e.g. ``"ATen AVX2"``,
+    ``"ATen DEFAULT, MKL_CBWR=AVX2"``.
+
+    Float32 results differ in their last bits between kernels of different vector widths, so two runs give the
+    same bits only where this string (and the thread count) agree."""
+    import torch
+
+    out = f"ATen {torch.backends.cpu.get_cpu_capability()}"
+    return out + (f", MKL_CBWR={os.environ['MKL_CBWR']}" if os.environ.get("MKL_CBWR") else "")
+
+
 def machine_info() -> dict[str, Any]:
     """Platform, CPU model and its vector extensions, usable cores, torch threads, GPU (if any) and library
     versions."""
@@ -167,6 +180,7 @@ def machine_info() -> dict[str, Any]:
         import torch
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
+        info["kernels"] = cpu_kernels()
         info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except ImportError:  # pragma: no cover
         info["torch"] = None

@@ -335,7 +335,7 @@ def _main(argv: list[str] | None) -> int:
     # what a reader of the report needs to know what was checked: the code, the caches, the machine, when
     run = {"git": git_start, "data": data_mode, "ref": _rel(ref, root),
            "machine": {k: v for k, v in machine_info().items()
-                       if k in ("cpu", "cpu_isa", "cpu_count", "torch", "platform")},
+                       if k in ("cpu", "cpu_isa", "cpu_count", "torch", "kernels", "platform")},
            "started": started, "finished": _utc()}
     report = {"notebooks": names, **run, "seconds": runs, "cpu_seconds": cpus, "others_cpu_share": others,
               "total_seconds": round(total, 1), "failed_to_run": broken,
