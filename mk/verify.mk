@@ -6,6 +6,8 @@
 #   make verify                  every notebook (hours from empty caches: the decoder and GLUE studies)
 #   make verify NB=fig_time_algo one notebook (or several: NB="a b")
 #   make verify-quick            the notebooks that run in minutes from empty caches (<= 20 min on 2 cores)
+#   make verify-stale            the notebooks whose record in VERIFY_RECORD is missing, did not pass, or was
+#                                compared with a table committed since (of NB, or all)
 #   VERIFY_DATA=fresh|scratch|statistics|shared  empty caches in build/verify/data (default) | the ones the
 #                                last verify left there | data/'s calibration statistics, sweeps, task files
 #                                and fine-tuned encoders linked in (and the studies' cost measurements copied),
@@ -19,7 +21,7 @@ VERIFY_QUICK_BUDGET_S ?= 1200
 VERIFY_RECORD  ?= data/verify
 NB ?=
 
-.PHONY: verify verify-quick
+.PHONY: verify verify-quick verify-stale
 verify: | $(STAMP) ## re-run notebooks into build/verify/ and compare their tables with figures/ within declared tolerances (NB=name for one)
 	$(PY) -m fisherkron.repro.verify --scratch $(VERIFY_DIR) --data $(VERIFY_DATA) --nb "$(or $(NB),$(NOTEBOOKS))" \
 	  $(if $(VERIFY_RECORD),--record $(VERIFY_RECORD))
@@ -27,3 +29,7 @@ verify: | $(STAMP) ## re-run notebooks into build/verify/ and compare their tabl
 verify-quick: | $(STAMP) ## `make verify` for the notebooks that run in minutes from empty caches (<= 20 min on 2 cores)
 	$(PY) -m fisherkron.repro.verify --scratch $(VERIFY_DIR) --data $(VERIFY_DATA) --nb "$(VERIFY_QUICK)" \
 	  --budget $(VERIFY_QUICK_BUDGET_S) $(if $(VERIFY_RECORD),--record $(VERIFY_RECORD))
+
+verify-stale: | $(STAMP) ## `make verify` for the notebooks whose record is missing, failed or out of date
+	$(PY) -m fisherkron.repro.verify --scratch $(VERIFY_DIR) --data $(VERIFY_DATA) --nb "$(or $(NB),$(NOTEBOOKS))" \
+	  --stale --record $(or $(VERIFY_RECORD),data/verify)

@@ -155,6 +155,45 @@ def test_a_run_keeps_one_record_per_notebook_with_what_it_found(tmp_path, monkey
     assert {p.name: p.read_text() for p in records.iterdir()} == before
 
 
+def test_verify_stale_runs_only_the_notebooks_whose_record_does_not_vouch_for_the_committed_tables(
+        tmp_path, monkeypatch, capsys):
+    ref, scratch, records = _copy(tmp_path / "ref"), tmp_path / "verify", tmp_path / "records"
+    _fake_runs(monkeypatch, _copy(tmp_path / "new"))
+    both = ["--ref", str(ref), "--scratch", str(scratch), "--nb", "fig_synthetic_correlations,fig_time_algo",
+            "--record", str(records)]
+    assert verify.main(both) == 0
+    capsys.readouterr()
+    assert verify.main([*both, "--stale", "--list"]) == 0
+    assert "every record" in capsys.readouterr().out
+
+    timing = pd.read_csv(ref / "tab_time_algo.csv")  # a table committed since the record
+    timing.iloc[0, -1] = 2 * timing.iloc[0, -1]
+    timing.to_csv(ref / "tab_time_algo.csv", index=False)
+    assert verify.main([*both, "--stale", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "fig_time_algo: changed since its record: tab_time_algo\n" in out
+    assert out.splitlines()[-1] == "fig_time_algo"
+
+    ran = []
+
+    def execute(n, figdir, *a, **k):  # "writes" the committed tables, so each rerun passes
+        ran.append(n)
+        shutil.copytree(ref, figdir, dirs_exist_ok=True)
+        return True, 1.0, 1.0
+
+    monkeypatch.setattr(verify, "execute", execute)
+    (records / "fig_synthetic_correlations.json").unlink()  # and a notebook never verified
+    assert verify.main([*both, "--stale"]) == 0
+    assert ran == ["fig_synthetic_correlations", "fig_time_algo"]
+    assert verify.stale_notebooks(["fig_synthetic_correlations", "fig_time_algo"], records, ref) == {}
+    rec = json.loads((records / "fig_time_algo.json").read_text())
+    rec["result"] = "FAIL"
+    (records / "fig_time_algo.json").write_text(json.dumps(rec))
+    assert verify.stale_notebooks(["fig_time_algo"], records, ref) == {"fig_time_algo": "its record says FAIL"}
+    with pytest.raises(SystemExit):  # which records is required
+        verify.main(["--ref", str(ref), "--stale"])
+
+
 def test_a_notebook_that_failed_to_run_is_recorded_so_and_an_old_report_can_be_filed(tmp_path, monkeypatch):
     ref, scratch, records = _copy(tmp_path / "ref"), tmp_path / "verify", tmp_path / "records"
     new = _copy(tmp_path / "new")

@@ -41,7 +41,9 @@ one (empty, binary, cut short, hand-edited) stops the run at once with one line 
 do, exit status 2.
 
 Command line: ``python -m fisherkron.repro.verify [--nb NAME ...] [--data fresh|scratch|statistics|shared]
-[--no-run] [--record DIR] [--record-from REPORT]``; ``make verify [NB=name]`` and ``make verify-quick`` (mk/verify.mk) call it.
+[--no-run] [--record DIR] [--stale] [--record-from REPORT]``; ``make verify [NB=name]``, ``make verify-quick`` and
+``make verify-stale`` (mk/verify.mk) call it. ``--stale`` keeps, of the notebooks asked for, those whose record
+(:func:`stale_notebooks`) is missing, did not pass or was compared with a table committed since.
 The comparison is :mod:`fisherkron.repro.compare`; its :func:`~fisherkron.repro.compare.compare_frames` is also
 what ``tests/test_determinism.py`` uses, with every non-timing column exact.
 """
@@ -155,6 +157,33 @@ STATISTICS_CACHES = ("hf_home", "cache/calibration", "cache/allocation", "cache/
 MEASUREMENT_RECORDS = "cost|"
 
 
+def changed_tables(rec: Mapping[str, Any], ref: Path) -> list[str]:
+    """The tables of the record ``rec`` whose committed ``ref/<table>.csv`` is no longer the one it was compared
+    with (or is gone): what the record no longer vouches for."""
+    return [t["name"] for t in rec["tables"]
+            if t.get("sha") is None or not (ref / f"{t['name']}.csv").is_file()
+            or file_checksum(ref / f"{t['name']}.csv") != t["sha"]]
+
+
+def stale_notebooks(names: list[str], folder: Path, ref: Path) -> dict[str, str]:
+    """Of ``names``, the notebooks whose record in ``folder`` does not vouch for the committed tables in ``ref``,
+    each with the reason: no record, a record that did not pass, or tables changed since it (a damaged record is
+    one :class:`FisherkronError`)."""
+    stale = {}
+    for n in names:
+        path = Path(folder) / f"{n}.json"
+        if not path.is_file():
+            stale[n] = "no record"
+            continue
+        rec = read_record(path)
+        why = [f"its record says {rec['result']}"] if rec["result"] not in ("PASS", "NO TABLE") else []
+        changed = changed_tables(rec, ref)
+        why += ["changed since its record: " + ", ".join(changed)] if changed else []
+        if why:
+            stale[n] = "; ".join(why)
+    return stale
+
+
 def _utc(t: float | None = None) -> str:
     """``2026-11-25T14:16:17Z``: a report's times (now, or the epoch seconds ``t``)."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
@@ -248,6 +277,10 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--budget", type=float, default=None, help="warn when the runs take longer (seconds)")
     ap.add_argument("--record", default=None, metavar="DIR",
                     help="keep each notebook's result in DIR/<notebook>.json (make verify: data/verify)")
+    ap.add_argument("--stale", action="store_true",
+                    help="only the notebooks (of --nb, or all) whose record in --record's folder is missing, did not "
+                         "pass, or predates a committed table")
+    ap.add_argument("--list", action="store_true", help="print the notebooks it would run and stop")
     ap.add_argument("--record-from", default=None, metavar="REPORT",
                     help="file the results of an earlier run's report.json into --record's folder; run nothing")
     a = ap.parse_args(argv)
@@ -274,6 +307,19 @@ def _main(argv: list[str] | None) -> int:
     if unknown:
         print(f"[verify] no notebook {', '.join(unknown)} in notebooks/", file=sys.stderr)
         return 2
+    if a.stale:
+        if not a.record:
+            ap.error("--stale needs --record DIR (the records it reads)")
+        stale = stale_notebooks(names, root / a.record, ref)
+        for n, why in stale.items():
+            print(f"[verify] {n}: {why}")
+        if not stale:
+            print(f"[verify] every record in {a.record} vouches for the committed tables of its notebook")
+            return 0
+        names = list(stale)
+    if a.list:
+        print(" ".join(names))
+        return 0
     check_committed(ref, names)  # a damaged committed table or record: one line, before anything runs or is written
     scratch = (root / a.scratch) if not Path(a.scratch).is_absolute() else Path(a.scratch)
     figdir, nb_build, logs = scratch / "figures", scratch / "notebooks", scratch / "logs"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core.errors import FisherkronError
-from ...env import file_checksum, read_committed
+from ...env import read_committed
 from ..figures import cpu_model, machine_label, read_provenance, read_table
 
 __all__ = ["Outputs", "num", "pct", "sci", "secs", "table", "machine_name", "paused_seconds", "run_seconds",
@@ -210,12 +210,9 @@ def verify_records(out: Outputs) -> dict[str, dict]:
 
 def changed_since(out: Outputs, rec: dict) -> list[str]:
     """The tables of a record whose committed ``.csv`` is no longer the one it was compared with."""
-    changed = []
-    for t in rec["tables"]:
-        p = out.folder / f"{t['name']}.csv"
-        if t.get("sha") is None or not p.is_file() or file_checksum(p) != t["sha"]:
-            changed.append(t["name"])
-    return changed
+    from ..verify import changed_tables
+
+    return changed_tables(rec, out.folder)
 
 def other_cpu(out: Outputs, rec: dict) -> str | None:
     """``"Intel Xeon against AMD EPYC"`` when a verify ran on another CPU model than the one that wrote the
