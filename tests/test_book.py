@@ -154,6 +154,20 @@ def test_a_damaged_verify_record_is_one_line_naming_it(tmp_path):
         sources._verify_results(root)
 
 
+def test_a_verify_result_whose_table_was_committed_since_is_out_of_date(tmp_path):
+    from fisherkron.repro import verify
+
+    root = tmp_path / "repo"
+    (root / "figures").mkdir(parents=True)
+    (root / "figures" / "tab_x.csv").write_text("a\n1\n")
+    report = {"notebooks": ["fig_x"], "tables": [{"name": "tab_x", "notebook": "notebooks/fig_x.py",
+                                                  "status": "PASS", "columns": 1, "values": 1, "worst": 0.0}]}
+    verify.write_records(root / "data" / "verify", report, root / "figures")
+    assert sources._verify_results(root) == {"fig_x": "PASS"}
+    (root / "figures" / "tab_x.csv").write_text("a\n2\n")  # the table regenerated after the verify
+    assert sources._verify_results(root) == {"fig_x": "PASS, out of date"}
+
+
 def _make_dry_run(*args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
     r = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, env=env,

@@ -25,7 +25,7 @@ from typing import Any
 from ...core.errors import FisherkronError
 from ...env import REPO_ROOT, atomic_write, read_committed
 from ..figures import read_provenance
-from ..verify import read_record
+from ..verify import changed_tables, read_record
 from .. import claims
 from ..claims import table_cell as _cell  # one cell escape for every table of the book
 
@@ -273,12 +273,16 @@ def _page_notebook(page: Page, root: Path, figures: Path, images: Path, items: l
 
 
 def _verify_results(root: Path) -> dict[str, str]:
-    """notebook -> the result of its latest ``make verify`` record in ``data/verify/`` (PASS, FAIL, ...)."""
+    """notebook -> the result of its latest ``make verify`` record in ``data/verify/`` (PASS, FAIL, ...), with
+    "out of date" where a table of the notebook was committed after the run (the record no longer vouches
+    for it)."""
     out = {}
     for path in sorted((root / "data" / "verify").glob("*.json")):
         record = read_record(path)  # a damaged one: one line naming it and what to do
         result = record["result"].split(" (")[0]
-        out[str(record.get("notebook", path.stem))] = "ran" if result == "NO TABLE" else result  # writes no table
+        result = "ran" if result == "NO TABLE" else result  # writes no table
+        old = changed_tables(record, root / "figures")
+        out[str(record.get("notebook", path.stem))] = f"{result}, out of date" if old else result
     return out
 
 
@@ -308,7 +312,8 @@ with SmolLM2-135M in Llama's role and all-MiniLM-L6-v2 in BERT's, and judged by 
 notebook computes from its own numbers: {tally}. *holds*: as the paper says; *holds in part*: in
 some settings; *not at this scale*: the effect does not appear on our small models; *cannot tell*:
 our evaluation cannot separate the rows; *does not hold*: the opposite was measured; *verify*: the
-latest [`make verify`](reproduce.md), which re-runs the notebook and compares every value.
+latest [`make verify`](reproduce.md), which re-runs the notebook and compares every value (*out of date*:
+a table was committed after it).
 {figure}
 | paper item: claim | the paper | here | verdict | verify | |
 |---|---|---|---|---|---|
