@@ -48,6 +48,20 @@ def _page(name: str, root: Path) -> str:
     return f"[`{name}`]({name}.ipynb)" if (root / "notebooks" / f"{name}.py").is_file() else f"`{name}`"
 
 
+def _pinned(machine: dict) -> str:
+    """``", kernels: ATen DEFAULT"`` where a record's run used other CPU kernels than the widest its CPU has (a
+    lowered ATen capability or a pinned MKL branch: :func:`fisherkron.repro.figures.cpu_kernels`), else "".
+
+    >>> _pinned({"cpu_isa": "AVX2", "kernels": "ATen DEFAULT"}), _pinned({"cpu_isa": "AVX2", "kernels": "ATen AVX2"})
+    (', kernels: ATen DEFAULT', '')
+    """
+    kernels, isa = machine.get("kernels"), machine.get("cpu_isa") or ""
+    own = "AVX512" if "AVX-512" in isa else "AVX2" if "AVX2" in isa else None
+    if not kernels or (kernels == f"ATen {own}"):
+        return ""
+    return f", kernels: {kernels}"
+
+
 def verify_table(out: Outputs, root: Path) -> str:
     """One compact row per committed ``make verify`` record, in notebook order.
 
@@ -67,7 +81,7 @@ def verify_table(out: Outputs, root: Path) -> str:
         outside += len(rec["failures"])
         rows.append([_page(nb, root), f"**{result}**" if rec["result"] == "FAIL" else result,
                      num(rec["values"]), worst, rec.get("data") or "not recorded",
-                     machine_name(rec["machine"]) if rec.get("machine") else "not recorded",
+                     machine_name(rec["machine"]) + _pinned(rec["machine"]) if rec.get("machine") else "not recorded",
                      (rec.get("finished") or "")[:10] or "not recorded"])
     if not rows:
         return "No notebook has been verified yet: `make verify` writes the first records.\n"
