@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _main(argv: list[str] | None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fisherkron.repro.verify", description=__doc__.split("\n")[0])
     ap.add_argument("--nb", action="append", default=[],
                     help="notebook(s) to check (space- or comma-separated, repeatable; default: every notebook)")
@@ -283,25 +283,35 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--list", action="store_true", help="print the notebooks it would run and stop")
     ap.add_argument("--record-from", default=None, metavar="REPORT",
                     help="file the results of an earlier run's report.json into --record's folder; run nothing")
+    return ap
+
+
+def _file_report(a: argparse.Namespace, root: Path, ref: Path) -> int:
+    """``--record-from REPORT``: file an earlier run's ``report.json`` into ``--record``'s folder."""
+    report = read_committed(a.record_from, json_object({"notebooks": "list", "tables": "list"}),
+                            what="a `make verify` report (JSON)", committed=False,
+                            remake="pass the report.json that a finished `make verify` run wrote")
+    if not report.get("finished"):  # a report from before it said: the time it was written
+        report["finished"] = _utc(Path(a.record_from).stat().st_mtime)
+    try:
+        written = write_records(root / a.record, report, ref)  # an absolute DIR stays itself
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise FisherkronError(f"{a.record_from} is not a `make verify` report ({type(exc).__name__}: {exc}): "
+                              f"pass the report.json that a finished `make verify` run wrote") from None
+    for p in written:
+        print(f"[verify] recorded {_rel(p, root)}")
+    return 0
+
+
+def _main(argv: list[str] | None) -> int:
+    ap = _parser()
     a = ap.parse_args(argv)
     root = REPO_ROOT
     ref = (root / a.ref) if not Path(a.ref).is_absolute() else Path(a.ref)
     if a.record_from:
         if not a.record:
             ap.error("--record-from needs --record DIR (where the records go)")
-        report = read_committed(a.record_from, json_object({"notebooks": "list", "tables": "list"}),
-                                what="a `make verify` report (JSON)", committed=False,
-                                remake="pass the report.json that a finished `make verify` run wrote")
-        if not report.get("finished"):  # a report from before it said: the time it was written
-            report["finished"] = _utc(Path(a.record_from).stat().st_mtime)
-        try:
-            written = write_records(root / a.record, report, ref)  # an absolute DIR stays itself
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise FisherkronError(f"{a.record_from} is not a `make verify` report ({type(exc).__name__}: {exc}): "
-                                  f"pass the report.json that a finished `make verify` run wrote") from None
-        for p in written:
-            print(f"[verify] recorded {_rel(p, root)}")
-        return 0
+        return _file_report(a, root, ref)
     names = [n for arg in a.nb for n in re.split(r"[\s,]+", arg) if n] or _all_notebooks(root, "default")
     unknown = [n for n in names if not (root / "notebooks" / f"{n}.py").is_file()]
     if unknown:
