@@ -41,9 +41,10 @@ one (empty, binary, cut short, hand-edited) stops the run at once with one line 
 do, exit status 2.
 
 Command line: ``python -m fisherkron.repro.verify [--nb NAME ...] [--data fresh|scratch|statistics|shared]
-[--no-run] [--record DIR] [--stale] [--record-from REPORT]``; ``make verify [NB=name]``, ``make verify-quick`` and
-``make verify-stale`` (mk/verify.mk) call it. ``--stale`` keeps, of the notebooks asked for, those whose record
-(:func:`stale_notebooks`) is missing, did not pass or was compared with a table committed since.
+[--no-run] [--record DIR] [--stale] [--list] [--record-from REPORT]``; ``make verify [NB=name]``,
+``make verify-quick`` and ``make verify-stale`` (mk/verify.mk) call it. ``--stale`` keeps, of the notebooks asked
+for, those whose record (:func:`stale_notebooks`) is missing, did not pass or was compared with a table committed
+since; ``--list`` names the notebooks it would run and stops.
 The comparison is :mod:`fisherkron.repro.compare`; its :func:`~fisherkron.repro.compare.compare_frames` is also
 what ``tests/test_determinism.py`` uses, with every non-timing column exact.
 """
