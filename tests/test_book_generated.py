@@ -68,7 +68,7 @@ def test_a_table_regenerated_since_the_verify_is_named(tmp_path):
     _record(tmp_path, "nb", "PASS", [])
     (tmp_path / "figures" / "nb_t.csv").write_text("a\n2\n", encoding="utf-8")
     text = verify_table(Outputs(tmp_path / "figures"), tmp_path)
-    assert "a table changed since" in text and "verify again" in text
+    assert "a table changed since" in text and "`make verify-stale` runs these again" in text
 
 
 def test_the_recipe_benchmark_is_its_committed_table_or_says_it_has_not_run(tmp_path):

@@ -93,7 +93,8 @@ def verify_table(out: Outputs, root: Path) -> str:
         lines += ["", "Passed on another CPU model than the one that wrote the committed tables (float32 results "
                       "differ in their last bits between models): " + ", ".join(crossed) + "."]
     if stale:
-        lines += ["", "Verified before one of its tables was regenerated (verify again): "
+        lines += ["", "Verified before one of its tables was regenerated (`make verify-stale` runs these again, and "
+                      "the ones not yet verified or whose record failed): "
                       + ", ".join(f"`{n}`" for n in stale) + "."]
     never = [p.name for p in pages(root) if p.name not in recs]
     if never:
