@@ -150,6 +150,17 @@ def test_a_changed_layer_is_still_named_by_the_per_layer_check(calibrated):
         st.check_model(other)
 
 
+def test_the_same_model_in_two_folders_has_one_fingerprint(calibrated, tmp_path):
+    """Scores, sweeps and fine-tuned models are keyed by it: a copy or another checkout finds them."""
+    base, _ = calibrated
+    for where in ("a", "b/c"):
+        base.save_pretrained(tmp_path / where)
+    a, b = (LlamaForCausalLM.from_pretrained(tmp_path / w).eval() for w in ("a", "b/c"))
+    assert a.config._name_or_path != b.config._name_or_path
+    assert model_fingerprint(a) == model_fingerprint(b)
+    assert model_fingerprint(a, with_location=True) != model_fingerprint(b, with_location=True)
+
+
 def test_the_model_is_hashed_once_to_collect_and_once_to_check(tmp_path, monkeypatch):
     model = tiny_llama()
     tensors = [t for _, t in list(model.named_parameters()) + list(model.named_buffers())]
@@ -176,7 +187,7 @@ def test_the_model_is_hashed_once_to_collect_and_once_to_check(tmp_path, monkeyp
 
 def test_statistics_of_an_earlier_version_are_checked_against_their_fingerprint(calibrated):
     base, st = calibrated
-    earlier = dataclasses.replace(st, config={**st.config, "model": model_fingerprint(base)})
+    earlier = dataclasses.replace(st, config={**st.config, "model": model_fingerprint(base, with_location=True)})
     fk.compress(copy.deepcopy(base), "svd_llm", earlier, LAYERS, rank=2)
     with pytest.raises(fk.FisherkronError) as err:
         fk.compress(_changed(base, "model.norm.weight"), "svd_llm", earlier, LAYERS, rank=2)

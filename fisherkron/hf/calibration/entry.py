@@ -160,9 +160,9 @@ class CalibrationStats:
         if isinstance(want, dict):
             what = model_difference(want, model)
         elif isinstance(want, str):  # an earlier version's key: the fingerprint alone, no record of the parts
-            what = None if model_fingerprint(model) == want else ("another model, one whose class, config, parameters "
-                                                                   "or buffers differ from this one's (statistics of an "
-                                                                   "earlier version record no more)")
+            same = model_fingerprint(model, with_location=True) == want  # as those versions computed it
+            what = None if same else ("another model, one whose class, config, parameters or buffers differ from "
+                                      "this one's (statistics of an earlier version record no more)")
         else:
             raise FisherkronError(f"the calibration statistics in {self.dir} do not record the model they were "
                                   f"collected on; {again}")

@@ -119,13 +119,34 @@ def model_difference(want: dict, model: nn.Module) -> str | None:
     return "another model, one whose class, config, parameters or buffers differ from this one's"
 
 
-def model_fingerprint(model: nn.Module) -> str:
-    """Hash of the model class, config and every parameter and buffer (weights decide the gradients)."""
+def model_fingerprint(model: nn.Module, *, with_location: bool = False) -> str:
+    """Hash of the model class, config and every parameter and buffer (weights decide the gradients): the model in
+    the keys of scores, sweeps, fine-tuned models and training runs.
+
+    The config fields of :data:`WHERE` (the folder it was loaded from) are left out, so the same model loaded from
+    another checkout, a copy or a relative path finds its cached results (``make ledger-restore`` on another
+    machine). ``with_location=True``: the hash with them, as earlier versions computed it (the model that
+    calibration statistics of those versions record).
+
+    >>> import copy
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> a = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+    ...                                  num_attention_heads=2, num_key_value_heads=2))
+    >>> b = copy.deepcopy(a)
+    >>> b.config._name_or_path = "/elsewhere/the-same-model"
+    >>> model_fingerprint(a) == model_fingerprint(b), model_fingerprint(a, with_location=True) == model_fingerprint(
+    ...     b, with_location=True)
+    (True, False)
+    """
     h = hashlib.blake2b(digest_size=20)
     h.update(type(model).__name__.encode())
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "to_json_string"):
-        h.update(cfg.to_json_string(use_diff=False).encode())
+        text = cfg.to_json_string(use_diff=False)
+        if not with_location:
+            fields = {k: v for k, v in json.loads(text).items() if k not in WHERE}
+            text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
+        h.update(text.encode())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         h.update(name.encode())
         h.update(str(tuple(t.shape)).encode())
