@@ -136,6 +136,29 @@ def test_lm_eval_task_files_are_local_and_complete(tmp_path):
             assert f.startswith("/") and __import__("os").path.exists(f), f
 
 
+def test_a_task_folder_copied_elsewhere_is_generated_again(tmp_path, monkeypatch):
+    """Task files name their data files by absolute path: a copy would read the original's (or nothing)."""
+    import shutil
+
+    from fisherkron.hf import lm_eval_tasks as lt
+
+    made = []
+
+    def generate(d):  # one small task, written the way the real ones are
+        made.append(d)
+        (d / "t.yaml").write_text(lt._yaml("t", {"test": lt._write_jsonl(d / "t.jsonl", [{"q": 1}])}, "test", ""))
+
+    monkeypatch.setattr(lt, "_generate", generate)
+    a = lt.write_tasks(tmp_path / "a")
+    assert lt.write_tasks(tmp_path / "a") == a and len(made) == 1  # in place: reused
+    shutil.copytree(a, tmp_path / "b")
+    assert lt._data_files(tmp_path / "b") == [str((a / "t.jsonl").resolve())]
+    b = lt.write_tasks(tmp_path / "b")
+    assert len(made) == 2 and lt._data_files(b) == [str((b / "t.jsonl").resolve())]
+    shutil.rmtree(a)
+    assert lt.write_tasks(b) == b and len(made) == 2
+
+
 def _byte_tokenizer():
     """A byte-level tokenizer (256 tokens, no merges) that encodes any English text, for a tiny random model."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -108,11 +108,27 @@ def _yaml(task: str, files: dict[str, Path], eval_split: str, body: str, fewshot
     return s + extra + body + _MC
 
 
+def _data_files(folder: Path) -> list[str]:
+    """The data files the task YAMLs in ``folder`` name (absolute paths, as :func:`_yaml` writes them)."""
+    quoted = re.compile(r'^    \w+: (".*")$', re.M)
+    return [json.loads(m) for y in folder.rglob("*.yaml") for m in quoted.findall(y.read_text())]
+
+
+def _in_place(out: Path) -> bool:
+    """Whether every data file the tasks in ``out`` name is a file inside ``out``: a folder copied or moved from
+    elsewhere names the files where it was written, which may be gone or another version."""
+    here = out.resolve()
+    return all(Path(f).is_file() and Path(f).resolve().is_relative_to(here) for f in _data_files(out))
+
+
 def write_tasks(out: Path | None = None, force: bool = False) -> Path:
-    """Generate the local tasks once; returns the folder for ``TaskManager(include_path=...)``."""
+    """Generate the local tasks once; returns the folder for ``TaskManager(include_path=...)``.
+
+    A finished folder is reused while its task files name data files inside it; one copied or moved from
+    another place (another checkout, a restored cache) is generated again."""
     set_offline_env()
     out = Path(out) if out is not None else task_dir()
-    if (out / "DONE").exists() and not force:
+    if (out / "DONE").exists() and not force and _in_place(out):
         return out
     with atomic_directory(out) as tmp:
         _generate(tmp)
