@@ -235,6 +235,42 @@ def _recipe_needs(stats: CalibrationStats | None, row) -> None:
 
 
 @timed("compression")
+def _layers_to_factorise(model: nn.Module, method: str, stats: CalibrationStats | None, layers, allocation,
+                         factor_memory_limit: int | None, skip_large_layers: bool) -> tuple[list[str], dict[str, int]]:
+    """:func:`compress`'s layers: those selected whose factors fit in memory (the others refused, or left dense
+    with ``skip_large_layers``), each with statistics of this very model; and the selected layers already
+    low-rank."""
+    names, already = _selected_layers(model, layers, stats)
+    factor_methods = (method,) + (("kfac",) if allocation in ("fisher", "calibrated") else ())
+    names = check_factor_memory(model, names, factor_methods, limit=factor_memory_limit, skip=skip_large_layers,
+                                calibration=False)
+    if not names:
+        raise FisherkronError("no selected layer is left to factorise: the factors of every one are too large "
+                              "to fit in memory; select smaller layers")
+    if stats is not None and layers is not None:
+        missing = [n for n in names if n not in stats.layers]
+        if missing:
+            raise FisherkronError(f"layer {missing[0]} has no calibration statistics; collect them for it")
+    if stats is not None:  # statistics of another model (other norms, say) would give a plausible-looking wrong one
+        stats.check_model(model)
+    return names, already
+
+
+def _new_report(method: str, before: int, ratio: float | None, alloc: Allocation | None,
+                already: dict[str, int]) -> CompressionReport:
+    """The report :func:`compress` fills layer by layer: the method, the allocation and what it cost, whether
+    this is the recommended recipe."""
+    report = CompressionReport(method, before, before, 0, 0, target_ratio=ratio,
+                               allocation="uniform" if alloc is None else alloc.strategy, already_lowrank=already)
+    if alloc is not None:
+        report.allocation_cost = {"evaluations": alloc.evaluations, "seconds": alloc.seconds,
+                                  "sweep_seconds": alloc.details.get("sweep_seconds", 0.0)}
+        report.allocation_details = {_REPORTED[k]: alloc.details[k] for k in _REPORTED if k in alloc.details}
+    if RECOMMENDED.matches(method, report.allocation, report.allocation_details.get("calibrate_metric")):
+        report.recipe = "recommended"
+    return report
+
+
 def compress(model: nn.Module, method: str | None = None, stats: CalibrationStats | None = None, layers=None, *,
              rank: int | None = None, ranks: dict[str, int] | None = None, ratio: float | None = None,
              regularization: str = "diag", alpha: float | None = None, min_alpha: float = MIN_ALPHA,
@@ -334,19 +370,8 @@ def compress(model: nn.Module, method: str | None = None, stats: CalibrationStat
     t_all = time.perf_counter()
     if decompositions is None:
         decompositions = Decompositions()
-    names, already = _selected_layers(model, layers, stats)
-    factor_methods = (method,) + (("kfac",) if allocation in ("fisher", "calibrated") else ())
-    names = check_factor_memory(model, names, factor_methods, limit=factor_memory_limit, skip=skip_large_layers,
-                                calibration=False)
-    if not names:
-        raise FisherkronError("no selected layer is left to factorise: the factors of every one are too large "
-                              "to fit in memory; select smaller layers")
-    if stats is not None and layers is not None:
-        missing = [n for n in names if n not in stats.layers]
-        if missing:
-            raise FisherkronError(f"layer {missing[0]} has no calibration statistics; collect them for it")
-    if stats is not None:  # statistics of another model (other norms, say) would give a plausible-looking wrong one
-        stats.check_model(model)
+    names, already = _layers_to_factorise(model, method, stats, layers, allocation, factor_memory_limit,
+                                          skip_large_layers)
     alloc = None
     if allocation is not None and not (isinstance(allocation, str) and allocation == "uniform"):
         if isinstance(allocation, Allocation):
@@ -370,14 +395,7 @@ def compress(model: nn.Module, method: str | None = None, stats: CalibrationStat
                               f"model's {before:,}: a selected layer's weights are shared with another module; "
                               f"select other layers")
     mods = dict(model.named_modules())
-    report = CompressionReport(method, before, before, 0, 0, target_ratio=ratio,
-                               allocation="uniform" if alloc is None else alloc.strategy, already_lowrank=already)
-    if alloc is not None:
-        report.allocation_cost = {"evaluations": alloc.evaluations, "seconds": alloc.seconds,
-                                  "sweep_seconds": alloc.details.get("sweep_seconds", 0.0)}
-        report.allocation_details = {_REPORTED[k]: alloc.details[k] for k in _REPORTED if k in alloc.details}
-    if RECOMMENDED.matches(method, report.allocation, report.allocation_details.get("calibrate_metric")):
-        report.recipe = "recommended"
+    report = _new_report(method, before, ratio, alloc, already)
     opts = dict(mff_options or {})
     new: dict[str, LowRankLinear] = {}
     for name in tqdm(names, desc=f"compress ({method})", disable=not progress):
