@@ -121,6 +121,26 @@ def test_ratio_target_is_met_and_reported():
         compress(tiny_llama(), "svd", layers="model.layers.0.mlp.up_proj", ratio=0.5)
 
 
+def test_a_compression_counts_its_time_as_the_compression_phase(monkeypatch):
+    """Provenance records say where a notebook's time went: compress's whole call is the "compression" phase (less
+    the weighted SVDs nested in it), the building of the factorised layers included."""
+    import time
+
+    from fisherkron.core import phases
+    from fisherkron.hf import surgery
+
+    build = surgery.LowRankLinear.from_factors
+
+    def slow_build(*a, **k):
+        time.sleep(0.05)
+        return build(*a, **k)
+
+    monkeypatch.setattr(surgery.LowRankLinear, "from_factors", slow_build)
+    phases.reset()
+    compress(tiny_llama(), "svd", layers="model.layers.0.mlp.up_proj", rank=4)
+    assert phases.seconds()["compression"] >= 0.05
+
+
 def test_bad_ranks_and_missing_stats_give_one_line_errors(llama_stats):
     base, st = llama_stats
     with pytest.raises(FisherkronError, match=r"rank 25 is outside 1..min\(n, m\)=24 for layer model.layers.0"):

@@ -234,7 +234,6 @@ def _recipe_needs(stats: CalibrationStats | None, row) -> None:
                               f"were collected for (compress(model, 'gfwsvd', stats, ...))") from None
 
 
-@timed("compression")
 def _layers_to_factorise(model: nn.Module, method: str, stats: CalibrationStats | None, layers, allocation,
                          factor_memory_limit: int | None, skip_large_layers: bool) -> tuple[list[str], dict[str, int]]:
     """:func:`compress`'s layers: those selected whose factors fit in memory (the others refused, or left dense
@@ -271,6 +270,7 @@ def _new_report(method: str, before: int, ratio: float | None, alloc: Allocation
     return report
 
 
+@timed("compression")
 def compress(model: nn.Module, method: str | None = None, stats: CalibrationStats | None = None, layers=None, *,
              rank: int | None = None, ranks: dict[str, int] | None = None, ratio: float | None = None,
              regularization: str = "diag", alpha: float | None = None, min_alpha: float = MIN_ALPHA,
