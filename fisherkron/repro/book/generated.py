@@ -26,8 +26,9 @@ from pathlib import Path
 
 from ...env import REPO_ROOT, atomic_write
 from .. import cold, ledger
-from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_targets, changed_since, machine_name,
+from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_targets, machine_name,
                       make_all_time, notebook_time, num, other_cpu, paused_seconds, table, verify_records)
+from ..verify import changed_tables
 from .sources import pages
 
 __all__ = ["FOLDER", "verify_table", "notebook_costs", "bench", "bench_recipe", "bench_decompositions", "bench_sweep",
@@ -71,7 +72,7 @@ def verify_table(out: Outputs, root: Path) -> str:
     rows, outside, stale, crossed = [], 0, [], []
     for nb, rec in recs.items():
         result = {"NO TABLE": "ran (writes no table)"}.get(rec["result"], rec["result"])
-        if rec["tables"] and changed_since(out, rec):
+        if rec["tables"] and changed_tables(rec, out.folder):
             stale.append(nb)
             result += " (a table changed since)"
         elif rec["result"] == "PASS" and (other := other_cpu(out, rec)) is not None:

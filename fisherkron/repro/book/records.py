@@ -22,7 +22,7 @@ from ..figures import cpu_model, machine_label, read_provenance, read_table
 
 __all__ = ["Outputs", "num", "pct", "sci", "secs", "table", "machine_name", "paused_seconds", "run_seconds",
            "notebook_time", "make_all_time",
-           "verify_records", "changed_since", "other_cpu", "bench_table", "bench_minilm", "bench_targets",
+           "verify_records", "other_cpu", "bench_table", "bench_minilm", "bench_targets",
            "bench_minutes"]
 
 MINUS = "\u2212"
@@ -207,12 +207,6 @@ def verify_records(out: Outputs) -> dict[str, dict]:
     paths = sorted((out.folder.parent / "data" / "verify").glob("*.json"))
     out.seen += paths
     return {p.stem: read_record(p) for p in paths}
-
-def changed_since(out: Outputs, rec: dict) -> list[str]:
-    """The tables of a record whose committed ``.csv`` is no longer the one it was compared with."""
-    from ..verify import changed_tables
-
-    return changed_tables(rec, out.folder)
 
 def other_cpu(out: Outputs, rec: dict) -> str | None:
     """``"Intel Xeon against AMD EPYC"`` when a verify ran on another CPU model than the one that wrote the
