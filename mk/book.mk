@@ -21,7 +21,7 @@ BOOK_HTML := $(BOOK)/html
 # last build's (build/book/inputs.sha1), so a second `make book` does nothing.
 BOOK_INPUTS = $(sort $(wildcard book/* book/static/* README.md fisherkron/repro/book/*.py fisherkron/repro/*.py \
                 notebooks/*.py notebooks/executed/*.ipynb figures/*.png figures/*.md figures/*.csv figures/*.provenance.json \
-                figures/bench/* data/verify/*.json))
+                figures/bench/* data/verify/*/*.json))
 CHROMIUM  ?= chromium
 # Debian packages of the browser test (no recommends: those pull in systemd, CUPS and samba)
 CHROMIUM_APT := chromium fonts-liberation

@@ -6,14 +6,14 @@
 #   make verify                  every notebook (hours from empty caches: the decoder and GLUE studies)
 #   make verify NB=fig_time_algo one notebook (or several: NB="a b")
 #   make verify-quick            the notebooks that run in minutes from empty caches (<= 20 min on 2 cores)
-#   make verify-stale            the notebooks whose record in VERIFY_RECORD is missing, did not pass, or was
-#                                compared with a table committed since (of NB, or all)
+#   make verify-stale            the notebooks whose record from this CPU model in VERIFY_RECORD is missing,
+#                                did not pass, or was compared with a table committed since (of NB, or all)
 #   VERIFY_DATA=fresh|scratch|statistics|shared  empty caches in build/verify/data (default) | the ones the
 #                                last verify left there | data/'s calibration statistics, sweeps, task files
 #                                and fine-tuned encoders linked in (and the studies' cost measurements copied),
 #                                every compression and score recomputed | data/ (reads and may add entries)
-#   VERIFY_RECORD=data/verify    where each notebook's result is kept (committed; the README's verification
-#                                block renders from it: `make readme`); VERIFY_RECORD= keeps none
+#   VERIFY_RECORD=data/verify    where each notebook's result is kept, in a folder per CPU model (committed;
+#                                the book's reproduction page shows them); VERIFY_RECORD= keeps none
 VERIFY_QUICK   := kronecker_fisher_from_scratch fig_synthetic_correlations fig_time_algo tab_throughput
 VERIFY_DATA    ?= fresh
 VERIFY_DIR     ?= build/verify

@@ -148,8 +148,8 @@ def test_sources_show_the_executed_notebook_or_the_committed_outputs(tmp_path):
 
 def test_a_damaged_verify_record_is_one_line_naming_it(tmp_path):
     root = tmp_path / "repo"
-    (root / "data" / "verify").mkdir(parents=True)
-    (root / "data" / "verify" / "fig_x.json").write_text('{"notebook": "fig_x", "res')
+    (root / "data" / "verify" / "amd-epyc").mkdir(parents=True)
+    (root / "data" / "verify" / "amd-epyc" / "fig_x.json").write_text('{"notebook": "fig_x", "res')
     with pytest.raises(FisherkronError, match=r"fig_x\.json.*git checkout"):
         sources._verify_results(root)
 
@@ -162,10 +162,14 @@ def test_a_verify_result_whose_table_was_committed_since_is_out_of_date(tmp_path
     (root / "figures" / "tab_x.csv").write_text("a\n1\n")
     report = {"notebooks": ["fig_x"], "tables": [{"name": "tab_x", "notebook": "notebooks/fig_x.py",
                                                   "status": "PASS", "columns": 1, "values": 1, "worst": 0.0}]}
-    verify.write_records(root / "data" / "verify", report, root / "figures")
-    assert sources._verify_results(root) == {"fig_x": "PASS"}
+    verify.write_records(root / "data" / "verify", report | {"machine": {"cpu": "AMD EPYC"}}, root / "figures")
+    assert sources._verify_results(root) == {"fig_x": "PASS on AMD EPYC"}
     (root / "figures" / "tab_x.csv").write_text("a\n2\n")  # the table regenerated after the verify
-    assert sources._verify_results(root) == {"fig_x": "PASS, out of date"}
+    assert sources._verify_results(root) == {"fig_x": "PASS, out of date on AMD EPYC"}
+    # a run on another CPU model keeps its own record beside the first
+    assert verify.write_records(root / "data" / "verify", report | {"machine": {"cpu": "Intel(R) Xeon(R) Processor"}},
+                                root / "figures")[0] == root / "data" / "verify" / "intel-xeon" / "fig_x.json"
+    assert sources._verify_results(root) == {"fig_x": "PASS, out of date on AMD EPYC; PASS on Intel Xeon"}
 
 
 def _make_dry_run(*args: str) -> str:

@@ -5,6 +5,7 @@ from pathlib import Path
 from fisherkron.env import file_checksum
 from fisherkron.repro.book.generated import FOLDER, verify_table, write_generated
 from fisherkron.repro.book.records import Outputs
+from fisherkron.repro.verify import cpu_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,26 +33,28 @@ def test_every_table_is_written_from_the_committed_files(tmp_path):
 def test_each_committed_verify_record_has_a_row(tmp_path):
     write_generated(tmp_path, ROOT)
     rows = _rows((tmp_path / FOLDER / "verify_record.md").read_text(encoding="utf-8"))
-    records = sorted(p.stem for p in (ROOT / "data" / "verify").glob("*.json"))
+    records = [p.stem for p in (ROOT / "data" / "verify").glob("*/*.json")]  # one per notebook and CPU model
     assert len(rows) == len(records)
-    for name in records:
-        assert sum(f"`{name}`" in row for row in rows) == 1, name
+    for name in set(records):
+        assert sum(f"`{name}`" in row for row in rows) == records.count(name), name
 
 
-def _record(root: Path, notebook: str, result: str, failures: list[str]) -> None:
-    """A verify record of one table whose committed CSV is the one it was compared with, made from a
+def _record(root: Path, notebook: str, result: str, failures: list[str],
+            cpu: str = "Intel(R) Xeon(R) Processor") -> None:
+    """A verify record of one table whose committed CSV is the one it was compared with, made on ``cpu`` from a
     committed record so that it has every field a record has."""
     (root / "figures").mkdir(exist_ok=True)
     csv = root / "figures" / f"{notebook}_t.csv"
     csv.write_text("a\n1\n", encoding="utf-8")
-    rec = json.loads((ROOT / "data" / "verify" / "fig_time_algo.json").read_text(encoding="utf-8"))
+    rec = json.loads((ROOT / "data" / "verify" / "amd-epyc" / "fig_time_algo.json").read_text(encoding="utf-8"))
     table = dict(rec["tables"][0], name=f"{notebook}_t", sha=file_checksum(csv), worst=3.5 if failures else 0.0,
                  status=result)
     rec.update(notebook=notebook, result=result, values=7, worst=3.5 if failures else 0.0, failures=failures,
                data="fresh", finished="2030-01-02T03:04:05Z", tables=[table],
-               machine={"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2})
-    (root / "data" / "verify").mkdir(parents=True, exist_ok=True)
-    (root / "data" / "verify" / f"{notebook}.json").write_text(json.dumps(rec), encoding="utf-8")
+               machine={"cpu": cpu, "cpu_count": 2})
+    folder = root / "data" / "verify" / cpu_folder(rec["machine"])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{notebook}.json").write_text(json.dumps(rec), encoding="utf-8")
 
 
 def test_a_failing_record_shows_fail_and_its_count(tmp_path):
@@ -62,6 +65,16 @@ def test_a_failing_record_shows_fail_and_its_count(tmp_path):
     assert "FAIL" in bad and "3.50" in bad and "2-core Intel Xeon" in bad and "2030-01-02" in bad
     assert "PASS" in good and "FAIL" not in good and "identical" in good
     assert "outside their tolerance in these runs: 1;" in text
+
+
+def test_each_cpu_model_keeps_its_row_and_the_notebooks_it_has_not_verified_are_named(tmp_path):
+    _record(tmp_path, "nb_both", "PASS", [])
+    _record(tmp_path, "nb_both", "PASS", [], cpu="AMD EPYC")
+    _record(tmp_path, "nb_amd", "PASS", [], cpu="AMD EPYC")
+    text = verify_table(Outputs(tmp_path / "figures"), tmp_path)
+    both = [r for r in _rows(text) if "`nb_both`" in r]
+    assert len(both) == 2 and "2-core AMD EPYC" in both[0] and "2-core Intel Xeon" in both[1]
+    assert "Not yet verified on the Intel Xeon: `nb_amd`." in text and "on the AMD EPYC:" not in text
 
 
 def test_a_table_regenerated_since_the_verify_is_named(tmp_path):

@@ -1,7 +1,7 @@
 """A damaged committed file is one line naming it, what is wrong and what to do; never a traceback.
 
 ``make readme``, ``make readme-check``, ``make verify`` and ``make book`` render or compare from committed
-files (``figures/*.csv``, ``figures/*.provenance.json``, ``data/verify/*.json``). Each damage a user can
+files (``figures/*.csv``, ``figures/*.provenance.json``, ``data/verify/*/*.json``). Each damage a user can
 leave behind -- an empty or binary file, one cut short, one edited by hand into other JSON -- must stop the
 tool with a non-zero status and one line on stderr that names the file and says how to restore it, and must
 leave every output as it was. All of them go through :func:`fisherkron.env.read_committed`.
@@ -67,10 +67,11 @@ DAMAGE = {
     "record-edited": ("figures/tab_time_algo.provenance.json", _edit_json(wall_seconds="fast"),
                       "field 'wall_seconds' is text, not number"),
     "record-binary": ("figures/tab_time_algo.provenance.json", BINARY, "is not text"),
-    "verify-cut-short": ("data/verify/fig_time_algo.json", _cut_half, "is not a `make verify` record"),
-    "verify-edited": ("data/verify/fig_time_algo.json", _edit_json(worst="0.5"), "field 'worst' is text"),
-    "verify-no-tables": ("data/verify/fig_time_algo.json", _edit_json(tables=KeyError), "field 'tables' is missing"),
-    "verify-empty": ("data/verify/fig_time_algo.json", EMPTY, "is empty"),
+    "verify-cut-short": ("data/verify/amd-epyc/fig_time_algo.json", _cut_half, "is not a `make verify` record"),
+    "verify-edited": ("data/verify/amd-epyc/fig_time_algo.json", _edit_json(worst="0.5"), "field 'worst' is text"),
+    "verify-no-tables": ("data/verify/amd-epyc/fig_time_algo.json", _edit_json(tables=KeyError),
+                         "field 'tables' is missing"),
+    "verify-empty": ("data/verify/amd-epyc/fig_time_algo.json", EMPTY, "is empty"),
 }
 
 
@@ -245,8 +246,8 @@ def test_the_committed_records_and_tables_all_read():
     for p in sorted(FIGURES.rglob("*.csv")):
         figures.read_table(p)
         figures.read_table(p, frame=True)
-    for p in sorted((ROOT / "data" / "verify").glob("*.json")):
-        verify.read_record(p)
+    records = verify.read_records(ROOT / "data" / "verify")
+    assert records and not list((ROOT / "data" / "verify").glob("*.json"))  # each in its CPU model's folder
 
 
 # -- make book ---------------------------------------------------------------------------------------

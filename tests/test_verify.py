@@ -119,12 +119,13 @@ def _fake_runs(monkeypatch, new: Path, ok=("fig_synthetic_correlations", "fig_ti
 
 def test_a_run_keeps_one_record_per_notebook_with_what_it_found(tmp_path, monkeypatch):
     ref, scratch, records = _copy(tmp_path / "ref"), tmp_path / "verify", tmp_path / "records"
+    mine = records / verify.cpu_folder()  # this CPU model's records
     new = _copy(tmp_path / "new")
     _fake_runs(monkeypatch, new)
     args = ["--ref", str(ref), "--scratch", str(scratch), "--nb", "fig_synthetic_correlations,fig_time_algo",
             "--record", str(records)]
     assert verify.main(args) == 0
-    rec = json.loads((records / "fig_time_algo.json").read_text())
+    rec = json.loads((mine / "fig_time_algo.json").read_text())
     assert rec["result"] == "PASS" and rec["worst"] == 0.0 and rec["failures"] == [] and rec["seconds"] == 2.0
     assert {t["name"] for t in rec["tables"]} == {"tab_time_algo", "tab_time_algo_sweep"}
     from fisherkron.env import file_checksum
@@ -136,9 +137,9 @@ def test_a_run_keeps_one_record_per_notebook_with_what_it_found(tmp_path, monkey
     gaps.loc[2, "gap"] += 5 * gaps.loc[2, "se"]  # the value edited by hand: the record names it
     gaps.to_csv(new / "tab_synthetic_gaps.csv", index=False)
     assert verify.main(args) == 1
-    rec = json.loads((records / "fig_synthetic_correlations.json").read_text())
+    rec = json.loads((mine / "fig_synthetic_correlations.json").read_text())
     assert rec["result"] == "FAIL" and len(rec["failures"]) == 1 and "column 'gap'" in rec["failures"][0]
-    assert json.loads((records / "fig_time_algo.json").read_text())["result"] == "PASS"
+    assert json.loads((mine / "fig_time_algo.json").read_text())["result"] == "PASS"
 
     # a resumed run says what it resumes: a statistics run's scratch folder still links data/'s calibrations
     (scratch / "data" / "cache").mkdir(parents=True)
@@ -146,18 +147,19 @@ def test_a_run_keeps_one_record_per_notebook_with_what_it_found(tmp_path, monkey
     gaps.loc[2, "gap"] -= 5 * gaps.loc[2, "se"]
     gaps.to_csv(new / "tab_synthetic_gaps.csv", index=False)
     assert verify.main([*args, "--data", "scratch"]) == 0
-    rec = json.loads((records / "fig_time_algo.json").read_text())
+    rec = json.loads((mine / "fig_time_algo.json").read_text())
     assert rec["data"] == "statistics, resumed" and rec["started"] <= rec["finished"]
 
     # a comparison that ran nothing vouches for no run: no record is written or changed
-    before = {p.name: p.read_text() for p in records.iterdir()}
+    before = {p.name: p.read_text() for p in mine.iterdir()}
     assert verify.main([*args, "--no-run"]) == 0
-    assert {p.name: p.read_text() for p in records.iterdir()} == before
+    assert {p.name: p.read_text() for p in mine.iterdir()} == before
 
 
 def test_verify_stale_runs_only_the_notebooks_whose_record_does_not_vouch_for_the_committed_tables(
         tmp_path, monkeypatch, capsys):
     ref, scratch, records = _copy(tmp_path / "ref"), tmp_path / "verify", tmp_path / "records"
+    mine = records / verify.cpu_folder()  # this CPU model's records
     _fake_runs(monkeypatch, _copy(tmp_path / "new"))
     both = ["--ref", str(ref), "--scratch", str(scratch), "--nb", "fig_synthetic_correlations,fig_time_algo",
             "--record", str(records)]
@@ -182,13 +184,16 @@ def test_verify_stale_runs_only_the_notebooks_whose_record_does_not_vouch_for_th
         return True, 1.0, 1.0
 
     monkeypatch.setattr(verify, "execute", execute)
-    (records / "fig_synthetic_correlations.json").unlink()  # and a notebook never verified
+    (mine / "fig_synthetic_correlations.json").unlink()  # and a notebook never verified
     assert verify.main([*both, "--stale"]) == 0
     assert ran == ["fig_synthetic_correlations", "fig_time_algo"]
     assert verify.stale_notebooks(["fig_synthetic_correlations", "fig_time_algo"], records, ref) == {}
-    rec = json.loads((records / "fig_time_algo.json").read_text())
+    other = "intel-xeon" if mine.name == "amd-epyc" else "amd-epyc"  # another CPU model has verified nothing
+    assert verify.stale_notebooks(["fig_time_algo"], records, ref, cpu=other) == {"fig_time_algo":
+                                                                                   f"no record from {other}"}
+    rec = json.loads((mine / "fig_time_algo.json").read_text())
     rec["result"] = "FAIL"
-    (records / "fig_time_algo.json").write_text(json.dumps(rec))
+    (mine / "fig_time_algo.json").write_text(json.dumps(rec))
     assert verify.stale_notebooks(["fig_time_algo"], records, ref) == {"fig_time_algo": "its record says FAIL"}
     with pytest.raises(SystemExit):  # which records is required
         verify.main(["--ref", str(ref), "--stale"])
@@ -207,9 +212,9 @@ def test_a_notebook_that_failed_to_run_is_recorded_so_and_an_old_report_can_be_f
     with pytest.raises(SystemExit):  # where to file it is required
         verify.main(["--record-from", str(tmp_path / "old.json")])
     assert verify.main(["--ref", str(ref), "--record", str(records), "--record-from", str(tmp_path / "old.json")]) == 0
-    failed = json.loads((records / "fig_synthetic_correlations.json").read_text())
+    failed = json.loads((records / "unknown" / "fig_synthetic_correlations.json").read_text())
     assert failed["result"] == "FAILED TO RUN" and failed["tables"] == []
-    ok = json.loads((records / "fig_time_algo.json").read_text())
+    ok = json.loads((records / "unknown" / "fig_time_algo.json").read_text())
     assert ok["result"] == "PASS" and ok["git"] is None and ok["finished"].endswith("Z")  # the file's time
 
 

@@ -24,10 +24,11 @@ For each notebook the driver
    ``scratch`` run says what it resumes -- the machine, and when it started and finished), and
    exits 1 if any value is outside (2 if a notebook failed to run);
 4. with ``--record DIR`` (``make verify`` passes ``data/verify``), keeps one committed record per
-   notebook, ``DIR/<notebook>.json`` (:func:`notebook_record`): its result, tables, worst margins, every
-   value outside tolerance, wall and CPU time, the share of the cores other processes used meanwhile
-   (:class:`fisherkron.env.OtherLoad`), the data mode, commit and machine, and a checksum of each
-   committed table it was compared with, so the book's reproduction page
+   notebook and CPU model, ``DIR/<cpu>/<notebook>.json`` (:func:`notebook_record`, :func:`cpu_folder`: a run
+   on an Intel Xeon never replaces what an AMD EPYC showed, nor the other way round): its result, tables,
+   worst margins, every value outside tolerance, wall and CPU time, the share of the cores other processes
+   used meanwhile (:class:`fisherkron.env.OtherLoad`), the data mode, commit and machine, and a checksum of
+   each committed table it was compared with, so the book's reproduction page
    (:mod:`fisherkron.repro.book.generated`) can say which committed tables a run vouches for and
    which changed since. ``--record-from REPORT`` files an earlier run's ``report.json``.
 
@@ -43,8 +44,8 @@ do, exit status 2.
 Command line: ``python -m fisherkron.repro.verify [--nb NAME ...] [--data fresh|scratch|statistics|shared]
 [--no-run] [--record DIR] [--stale] [--list] [--record-from REPORT]``; ``make verify [NB=name]``,
 ``make verify-quick`` and ``make verify-stale`` (mk/verify.mk) call it. ``--stale`` keeps, of the notebooks asked
-for, those whose record (:func:`stale_notebooks`) is missing, did not pass or was compared with a table committed
-since; ``--list`` names the notebooks it would run and stops.
+for, those whose record from this CPU model (:func:`stale_notebooks`) is missing, did not pass or was compared
+with a table committed since; ``--list`` names the notebooks it would run and stops.
 The comparison is :mod:`fisherkron.repro.compare`; its :func:`~fisherkron.repro.compare.compare_frames` is also
 what ``tests/test_determinism.py`` uses, with every non-timing column exact.
 """
@@ -70,11 +71,12 @@ from .execute import execute
 from .execute import rel as _rel
 
 __all__ = ["Failure", "TableReport", "compare_frames", "compare_table", "compare_notebook", "tables_of",
-           "declared_tolerances", "notebook_record", "write_records", "read_record", "main"]
+           "declared_tolerances", "notebook_record", "write_records", "read_record", "read_records", "cpu_folder",
+           "main"]
 
 
 # -- the committed record of each verification ---------------------------------------------------
-#: the version of a record's layout (data/verify/<notebook>.json)
+#: the version of a record's layout (data/verify/<cpu>/<notebook>.json)
 RECORD_VERSION = 1
 #: the kinds of a record's fields (:func:`notebook_record`): those the book reads are required
 RECORD_FIELDS = {"result": "text", "values": "integer", "worst": "number", "failures": "list", "tables": "list"}
@@ -91,12 +93,33 @@ def _record_check(rec: dict) -> None:
             raise ValueError(f"table {i} of field 'tables' is not an object with a 'name' and a 'sha'")
 
 
+def cpu_folder(machine: Mapping[str, Any] | None = None) -> str:
+    """The folder of ``data/verify/`` that keeps the records made on ``machine`` (a record's ``machine``; this
+    machine where None): its CPU model, lower case, hyphenated. Float32 results differ in their last bits between
+    CPU models, so each keeps its own record of a notebook.
+
+    >>> cpu_folder({"cpu": "Intel(R) Xeon(R) Processor"}), cpu_folder({"cpu": "AMD EPYC"}), cpu_folder({})
+    ('intel-xeon', 'amd-epyc', 'unknown')
+    """
+    from .figures import cpu_model, cpu_name
+
+    name = cpu_model(cpu_name() if machine is None else machine.get("cpu"))
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
 def read_record(path: str | Path) -> dict[str, Any]:
-    """The ``make verify`` record at ``path`` (``data/verify/<notebook>.json``); a damaged one (cut short,
+    """The ``make verify`` record at ``path`` (``data/verify/<cpu>/<notebook>.json``); a damaged one (cut short,
     hand-edited to other kinds of fields) is one :class:`FisherkronError` naming it and what to do."""
     path = Path(path)
     return read_committed(path, json_object(RECORD_FIELDS, RECORD_OPTIONAL, _record_check),
                           what="a `make verify` record (JSON)", remake=f"re-run `make verify NB={path.stem}`")
+
+
+def read_records(folder: str | Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every record under ``folder`` (``data/verify``), by (notebook, CPU model folder), sorted so; a damaged
+    one is the one-line error of :func:`read_record`."""
+    paths = sorted(Path(folder).glob("*/*.json"), key=lambda p: (p.stem, p.parent.name))
+    return {(p.stem, p.parent.name): read_record(p) for p in paths}
 
 
 def notebook_record(notebook: str, report: Mapping[str, Any], ref: Path) -> dict[str, Any]:
@@ -129,11 +152,12 @@ def notebook_record(notebook: str, report: Mapping[str, Any], ref: Path) -> dict
 
 
 def write_records(folder: Path, report: Mapping[str, Any], ref: Path) -> list[Path]:
-    """``folder/<notebook>.json`` for every notebook of ``report`` (written atomically); their paths.
+    """``folder/<cpu>/<notebook>.json`` for every notebook of ``report`` (written atomically; ``<cpu>``: the
+    :func:`cpu_folder` of the report's machine); their paths.
 
     Every record is made before the first is written, so a report that cannot be read writes none.
     """
-    folder = Path(folder)
+    folder = Path(folder) / cpu_folder(report.get("machine") or {})
     recs = [notebook_record(n, report, ref) for n in report.get("notebooks", [])]
     folder.mkdir(parents=True, exist_ok=True)
     return [atomic_write(folder / f"{rec['notebook']}.json",
@@ -166,15 +190,16 @@ def changed_tables(rec: Mapping[str, Any], ref: Path) -> list[str]:
             or file_checksum(ref / f"{t['name']}.csv") != t["sha"]]
 
 
-def stale_notebooks(names: list[str], folder: Path, ref: Path) -> dict[str, str]:
-    """Of ``names``, the notebooks whose record in ``folder`` does not vouch for the committed tables in ``ref``,
-    each with the reason: no record, a record that did not pass, or tables changed since it (a damaged record is
-    one :class:`FisherkronError`)."""
+def stale_notebooks(names: list[str], folder: Path, ref: Path, cpu: str | None = None) -> dict[str, str]:
+    """Of ``names``, the notebooks whose record from CPU model ``cpu`` (a :func:`cpu_folder`; this machine's where
+    None) in ``folder`` does not vouch for the committed tables in ``ref``, each with the reason: no record, a
+    record that did not pass, or tables changed since it (a damaged record is one :class:`FisherkronError`)."""
+    cpu = cpu or cpu_folder()
     stale = {}
     for n in names:
-        path = Path(folder) / f"{n}.json"
+        path = Path(folder) / cpu / f"{n}.json"
         if not path.is_file():
-            stale[n] = "no record"
+            stale[n] = f"no record from {cpu}"
             continue
         rec = read_record(path)
         why = [f"its record says {rec['result']}"] if rec["result"] not in ("PASS", "NO TABLE") else []
@@ -277,10 +302,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-run", action="store_true", help="compare what the scratch folder holds; run nothing")
     ap.add_argument("--budget", type=float, default=None, help="warn when the runs take longer (seconds)")
     ap.add_argument("--record", default=None, metavar="DIR",
-                    help="keep each notebook's result in DIR/<notebook>.json (make verify: data/verify)")
+                    help="keep each notebook's result in DIR/<cpu>/<notebook>.json (make verify: data/verify)")
     ap.add_argument("--stale", action="store_true",
-                    help="only the notebooks (of --nb, or all) whose record in --record's folder is missing, did not "
-                         "pass, or predates a committed table")
+                    help="only the notebooks (of --nb, or all) whose record from this CPU model in --record's "
+                         "folder is missing, did not pass, or predates a committed table")
     ap.add_argument("--list", action="store_true", help="print the notebooks it would run and stop")
     ap.add_argument("--record-from", default=None, metavar="REPORT",
                     help="file the results of an earlier run's report.json into --record's folder; run nothing")
@@ -325,7 +350,8 @@ def _main(argv: list[str] | None) -> int:
         for n, why in stale.items():
             print(f"[verify] {n}: {why}")
         if not stale:
-            print(f"[verify] every record in {a.record} vouches for the committed tables of its notebook")
+            print(f"[verify] every record of this CPU model in {a.record}/{cpu_folder()} vouches for the committed "
+                  "tables of its notebook")
             return 0
         names = list(stale)
     if a.list:

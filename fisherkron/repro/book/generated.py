@@ -4,7 +4,7 @@ A page includes them (```` ```{include} _generated/verify_record.md ``` ````), s
 prose is typed by hand. :func:`write_generated` writes ``<out>/_generated/<name>.md`` from the
 committed files only (:mod:`.records` reads and formats them):
 
-* ``verify_record.md``: one row per committed ``make verify`` record (``data/verify/*.json``);
+* ``verify_record.md``: one row per committed ``make verify`` record (``data/verify/<cpu>/*.json``);
 * ``notebook_costs.md``: each notebook's page, paper item, ``make`` target and committed run time;
 * ``bench.md``: the ``make bench`` machine, table, whole-MiniLM run and speed targets
   (``figures/bench/``), with its figure copied beside it;
@@ -28,6 +28,7 @@ from ...env import REPO_ROOT, atomic_write
 from .. import cold, ledger
 from .records import (Outputs, bench_minilm, bench_minutes, bench_table, bench_targets, machine_name,
                       make_all_time, notebook_time, num, other_cpu, paused_seconds, table, verify_records)
+from ..figures import cpu_model
 from ..verify import changed_tables
 from .sources import pages
 
@@ -64,13 +65,14 @@ def _pinned(machine: dict) -> str:
 
 
 def verify_table(out: Outputs, root: Path) -> str:
-    """One compact row per committed ``make verify`` record, in notebook order.
+    """One compact row per committed ``make verify`` record (a notebook has one per CPU model it was verified on),
+    in notebook order; the notebooks not yet verified on each CPU model, and not at all.
 
     The values outside tolerance are counted, not listed: each record lists them in its ``failures``.
     """
     recs = verify_records(out)
     rows, outside, stale, crossed = [], 0, [], []
-    for nb, rec in recs.items():
+    for (nb, _), rec in recs.items():
         result = {"NO TABLE": "ran (writes no table)"}.get(rec["result"], rec["result"])
         if rec["tables"] and changed_tables(rec, out.folder):
             stale.append(nb)
@@ -97,7 +99,14 @@ def verify_table(out: Outputs, root: Path) -> str:
         lines += ["", "Verified before one of its tables was regenerated (`make verify-stale` runs these again, and "
                       "the ones not yet verified or whose record failed): "
                       + ", ".join(f"`{n}`" for n in stale) + "."]
-    never = [p.name for p in pages(root) if p.name not in recs]
+    models = {cpu: cpu_model(r["machine"].get("cpu")) for (_, cpu), r in recs.items() if r.get("machine")}
+    verified = {nb: {cpu for n, cpu in recs if n == nb} for nb, _ in recs}
+    never = [p.name for p in pages(root) if p.name not in verified]
+    if len(models) > 1:
+        for cpu, name in sorted(models.items()):
+            missing = [nb for nb, on in verified.items() if cpu not in on]
+            if missing:
+                lines += ["", f"Not yet verified on the {name}: " + ", ".join(f"`{n}`" for n in missing) + "."]
     if never:
         lines += ["", "Not yet verified: " + ", ".join(f"`{n}`" for n in never) + "."]
     return "\n".join(lines) + "\n"

@@ -199,14 +199,15 @@ def make_all_time(out: Outputs, ledgers: Iterable[Path] = ()) -> str:
     where = f" on the {machines.pop()}" if len(machines) == 1 else ""
     return f"{secs(total)} for the {len(nbs)} notebooks{where}"
 
-def verify_records(out: Outputs) -> dict[str, dict]:
-    """The committed ``make verify`` records (``data/verify/<notebook>.json`` beside ``figures/``), by notebook;
-    a damaged one is the one-line error of :func:`fisherkron.repro.verify.read_record`."""
-    from ..verify import read_record  # the make-verify record layout
+def verify_records(out: Outputs) -> dict[tuple[str, str], dict]:
+    """The committed ``make verify`` records (``data/verify/<cpu>/<notebook>.json`` beside ``figures/``), by
+    (notebook, CPU model folder); a damaged one is the one-line error of
+    :func:`fisherkron.repro.verify.read_record`."""
+    from ..verify import read_records  # the make-verify record layout
 
-    paths = sorted((out.folder.parent / "data" / "verify").glob("*.json"))
-    out.seen += paths
-    return {p.stem: read_record(p) for p in paths}
+    folder = out.folder.parent / "data" / "verify"
+    out.seen += sorted(folder.glob("*/*.json"))
+    return read_records(folder)
 
 def other_cpu(out: Outputs, rec: dict) -> str | None:
     """``"Intel Xeon against AMD EPYC"`` when a verify ran on another CPU model than the one that wrote the

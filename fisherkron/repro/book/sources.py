@@ -24,8 +24,8 @@ from typing import Any
 
 from ...core.errors import FisherkronError
 from ...env import REPO_ROOT, atomic_write, read_committed
-from ..figures import read_provenance
-from ..verify import changed_tables, read_record
+from ..figures import cpu_model, read_provenance
+from ..verify import changed_tables, read_records
 from .. import claims
 from ..claims import table_cell as _cell  # one cell escape for every table of the book
 
@@ -273,17 +273,16 @@ def _page_notebook(page: Page, root: Path, figures: Path, images: Path, items: l
 
 
 def _verify_results(root: Path) -> dict[str, str]:
-    """notebook -> the result of its latest ``make verify`` record in ``data/verify/`` (PASS, FAIL, ...), with
-    "out of date" where a table of the notebook was committed after the run (the record no longer vouches
-    for it)."""
-    out = {}
-    for path in sorted((root / "data" / "verify").glob("*.json")):
-        record = read_record(path)  # a damaged one: one line naming it and what to do
+    """notebook -> the results of its ``make verify`` records in ``data/verify/<cpu>/`` (PASS, FAIL, ...), each
+    with "out of date" where a table of the notebook was committed after the run (the record no longer vouches
+    for it), and the CPU model of each (``"PASS on AMD EPYC; PASS, out of date on Intel Xeon"``)."""
+    per: dict[str, list[str]] = {}
+    for (nb, _), record in read_records(root / "data" / "verify").items():  # a damaged one: one line
         result = record["result"].split(" (")[0]
         result = "ran" if result == "NO TABLE" else result  # writes no table
-        old = changed_tables(record, root / "figures")
-        out[str(record.get("notebook", path.stem))] = f"{result}, out of date" if old else result
-    return out
+        result += ", out of date" if changed_tables(record, root / "figures") else ""
+        per.setdefault(nb, []).append(f"{result} on {cpu_model((record.get('machine') or {}).get('cpu'))}")
+    return {nb: "; ".join(res) for nb, res in per.items()}
 
 
 def _index(book_pages: list[Page], items: list[dict], verified: dict[str, str], headline: str | None) -> str:
