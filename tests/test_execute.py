@@ -86,3 +86,21 @@ def test_a_failed_make_run_of_a_notebook_deletes_none_of_its_outputs(tmp_path):
     assert [f.name for f in outputs if not f.is_file()] == [], r.stderr  # ... and every output is still there
     assert all(f.read_text() == "the last good run" for f in outputs)
 
+
+
+def test_kernels_avx2_pins_aten_and_mkl_for_what_make_runs_and_another_value_stops_make():
+    """``make KERNELS=avx2 ...`` runs with ATen's and MKL's AVX2 kernels (the records then name them); the
+    default leaves each CPU its own; a value it does not know is one line before anything runs."""
+    root = Path(__file__).resolve().parents[1]
+    drop = ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES", "ATEN_CPU_CAPABILITY", "MKL_CBWR", "KERNELS")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+
+    def make(*extra):
+        return subprocess.run(["make", "--no-print-directory", "-s", "-o", ".venv/.fisherkron-installed", "verify",
+                               "NB=fig_time_algo", "PY=printenv ATEN_CPU_CAPABILITY MKL_CBWR; true", *extra],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+    assert make("KERNELS=avx2").stdout.split() == ["avx2", "AVX2"]
+    assert make().stdout.split() == []
+    wrong = make("KERNELS=avx512")
+    assert wrong.returncode != 0 and wrong.stdout == "" and "use KERNELS=avx2" in wrong.stderr
