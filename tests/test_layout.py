@@ -193,3 +193,45 @@ def test_every_experiment_module_a_notebook_runs_is_a_make_prerequisite_of_it():
         if lacking:
             missing[nb.stem] = lacking
     assert not missing, f"notebooks run experiment modules their make rules do not list as prerequisites: {missing}"
+
+
+#: the phases a provenance record splits a notebook's time into, and the one function each times (``@timed``):
+#: a helper inserted between a decorator and its function would time only itself
+PHASES = {
+    ("core/factorization.py", "mff"): "MFF",
+    ("hf/calibration/collect.py", "collect_calibration"): "calibration",
+    ("hf/sensitivity.py", "decompose_layer"): "weighted SVDs",
+    ("hf/sensitivity.py", "sensitivity_sweep"): "sensitivity measurements",
+    ("hf/surgery.py", "compress"): "compression",
+    ("hf/basis_sharing.py", "compress_basis_sharing"): "compression",
+    ("hf/truncation.py", "train_truncation"): "learned truncation",
+    ("hf/recovery.py", "recover"): "LoRA recovery",
+    ("hf/registry.py", "load_model"): "model loading",
+    ("hf/evaluate.py", "perplexity"): "perplexity",
+    ("hf/evaluate.py", "predict_classifier"): "classifier scoring",
+    ("hf/evaluate.py", "run_lm_eval"): "lm-eval",
+}
+
+
+def _timed(path: Path, root: Path = PKG) -> dict[tuple[str, str], str]:
+    """``(module path below root, function) -> phase`` of every function ``path`` decorates with
+    ``@timed("phase")``."""
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for d in node.decorator_list:
+                if isinstance(d, ast.Call) and getattr(d.func, "id", None) == "timed":
+                    out[(path.relative_to(root).as_posix(), node.name)] = d.args[0].value
+    return out
+
+
+def test_each_phase_times_the_function_it_names():
+    found = {k: v for p in sorted(PKG.rglob("*.py")) for k, v in _timed(p).items()}
+    assert found == PHASES
+
+
+def test_the_phase_check_sees_a_decorator_moved_onto_a_helper(tmp_path):
+    planted = tmp_path / "core" / "m.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text('@timed("MFF")\ndef _operator():\n    pass\n\n\ndef mff():\n    pass\n')
+    assert _timed(planted, tmp_path) == {("core/m.py", "_operator"): "MFF"}

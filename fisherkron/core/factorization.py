@@ -355,6 +355,59 @@ def _kron_change(s_new, x_new, y_new, s_old, x_old, y_old) -> float:
     return float(min(D.norm(), D2.norm())) / s_new
 
 
+def _operator(grads, dtype: torch.dtype, device, memory_budget, name: str, group):
+    r"""``(op, stack)``: the matrix-free :math:`\mathcal{R}(F)` MFF iterates with, and what holds the gradients
+    (a :class:`TokenFisher` is both; per-batch gradients are a :class:`GradientStack`, this rank's share of them
+    over a process group)."""
+    if isinstance(grads, TokenFisher):  # per-token gradients, matrix-free from X and D
+        if group is not None:
+            raise FisherkronError(f"{name}: MFF over a process group takes per-batch gradients, not a TokenFisher")
+        same = grads.dtype == dtype and (device is None or torch.device(device) == grads.device)
+        op = grads if same else TokenFisher(grads.X, grads.D, dtype, device or grads.device, name)
+        return op, op
+    if group is None:
+        stack = GradientStack.of(grads, dtype, device=device, memory_budget=memory_budget, name=name)
+        return RearrangedFisher(stack), stack
+    stack, k_total = _local_stack(grads, group, dtype, device, memory_budget, name)
+    return RearrangedFisher(stack, group=group, k=k_total), stack
+
+
+def _start(init, n: int, m: int, device, symmetric: bool, identity: bool, swapped: bool):
+    """``(Z0, how)``: the float64 start of the Golub-Kahan iteration and its name in :class:`MFFResult`: the
+    identity on the output side (``n x n``), or on the input side (``m x m``) where ``swapped``; the symmetric part
+    of ``init``; a seeded random ``n x n`` matrix for several terms."""
+    if identity:
+        Z0 = torch.eye(m if swapped else n, device=device, dtype=torch.float64)
+        start = "identity (A side)" if swapped else "identity (B side)"
+    elif symmetric:
+        Z0 = _sym(_start_matrix(init, n, device))
+        start = "init"
+    else:
+        gen = torch.Generator().manual_seed(0)
+        Z0 = torch.randn(n, n, generator=gen, dtype=torch.float64).to(device)
+        start = "random"
+    if Z0.norm() == 0:
+        raise FisherkronError("init (the output-side factor B) has a zero symmetric part")
+    return Z0, start
+
+
+def _terms(gk: "_GolubKahan", s: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, terms: int, swapped: bool):
+    r"""``(terms_A, terms_B)``: the Kronecker terms :math:`\sqrt{\sigma_i}\,A_i,\ \sqrt{\sigma_i}\,B_i` from the
+    Ritz vectors ``X``, ``Y`` (float64), the first signed so that both its factors are PSD."""
+    terms_A, terms_B = [], []
+    for i in range(terms):
+        a, b = gk.matrices(X, Y, i)  # float64: the Lanczos bases are
+        if swapped:  # the Lanczos "U" side was B (n x n), the "V" side A (m x m)
+            a, b = b, a
+        # symmetric runs need no symmetrisation: the bases are exactly symmetric (see _extend)
+        if i == 0 and torch.trace(a) < 0:  # fix the sign so both factors are PSD
+            a, b = -a, -b
+        scale = math.sqrt(float(s[i]))
+        terms_A.append(scale * a)
+        terms_B.append(scale * b)
+    return terms_A, terms_B
+
+
 @timed("MFF")
 def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matvecs: int = 300,
         dtype: torch.dtype | str = torch.float32, device=None, memory_budget: int | None = None,
@@ -417,17 +470,7 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
         check_positive(tol, "tol", below=1.0)
     t0 = time.perf_counter()
     group = resolve_group(group)
-    if isinstance(grads, TokenFisher):  # per-token gradients, matrix-free from X and D
-        if group is not None:
-            raise FisherkronError(f"{name}: MFF over a process group takes per-batch gradients, not a TokenFisher")
-        same = grads.dtype == dtype and (device is None or torch.device(device) == grads.device)
-        op = stack = grads if same else TokenFisher(grads.X, grads.D, dtype, device or grads.device, name)
-    elif group is None:
-        stack = GradientStack.of(grads, dtype, device=device, memory_budget=memory_budget, name=name)
-        op = RearrangedFisher(stack)
-    else:
-        stack, k_total = _local_stack(grads, group, dtype, device, memory_budget, name)
-        op = RearrangedFisher(stack, group=group, k=k_total)
+    op, stack = _operator(grads, dtype, device, memory_budget, name, group)
     n, m = op.n, op.m
     if terms > min(n, m) ** 2:
         raise FisherkronError(f"terms={terms} exceeds the rank bound min(n, m)^2={min(n, m) ** 2} of R(F)")
@@ -436,18 +479,7 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
     symmetric = terms == 1
     identity = symmetric and (init is None or (isinstance(init, str) and init == "identity"))
     swapped = identity and m > n  # start from I_m on the input side: R^T(I_m) is the cheaper product
-    if identity:
-        Z0 = torch.eye(m if swapped else n, device=stack.device, dtype=torch.float64)
-        start = "identity (A side)" if swapped else "identity (B side)"
-    elif symmetric:
-        Z0 = _sym(_start_matrix(init, n, stack.device))
-        start = "init"
-    else:
-        gen = torch.Generator().manual_seed(0)
-        Z0 = torch.randn(n, n, generator=gen, dtype=torch.float64).to(stack.device)
-        start = "random"
-    if Z0.norm() == 0:
-        raise FisherkronError("init (the output-side factor B) has a zero symmetric part")
+    Z0, start = _start(init, n, m, stack.device, symmetric, identity, swapped)
     if group is not None:  # one start for all ranks: rank 0's
         Z0 = broadcast_tensor(Z0, group)
     gk = _GolubKahan(_Swapped(op) if swapped else op, Z0, symmetric, identity=identity)
@@ -501,17 +533,7 @@ def mff(grads, *, init=None, tol: float | None = None, terms: int = 1, max_matve
     s, X, Y, res = gk.ritz(terms)
     if s.numel() < terms:
         raise FisherkronError(f"{name}: only {s.numel()} Kronecker terms found within max_matvecs={max_matvecs}")
-    terms_A, terms_B = [], []
-    for i in range(terms):
-        a, b = gk.matrices(X, Y, i)  # float64: the Lanczos bases are
-        if swapped:  # the Lanczos "U" side was B (n x n), the "V" side A (m x m)
-            a, b = b, a
-        # symmetric runs need no symmetrisation: the bases are exactly symmetric (see _extend)
-        if i == 0 and torch.trace(a) < 0:  # fix the sign so both factors are PSD
-            a, b = -a, -b
-        scale = math.sqrt(float(s[i]))
-        terms_A.append(scale * a)
-        terms_B.append(scale * b)
+    terms_A, terms_B = _terms(gk, s, X, Y, terms, swapped)
     if stack.device.type == "cuda":
         torch.cuda.synchronize(stack.device)
     seconds = time.perf_counter() - t0

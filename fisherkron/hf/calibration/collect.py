@@ -84,6 +84,71 @@ def default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 
+def _checked(batches, k: int | None, stats, methods, grad_dtype: str, granularity: str) -> tuple[tuple, list]:
+    """:func:`collect_calibration`'s arguments checked, each bad one a one-line error: ``(stats, batches)``, the
+    statistics to collect (those ``methods`` need where ``stats`` is None, else all) and the first ``k`` batches
+    (split into sequences for ``granularity="sequence"``)."""
+    if stats is None and methods is not None:
+        methods = [methods] if isinstance(methods, str) else list(methods)
+        unknown = [m for m in methods if m not in METHOD_STATS]
+        if unknown:
+            raise FisherkronError(f"method {unknown[0]!r} is unknown; use one of {', '.join(METHOD_STATS)}")
+        stats = tuple(s for s in STATS if any(s in METHOD_STATS[m] for m in methods))
+    stats = tuple(STATS if stats is None else stats)
+    bad = [s for s in stats if s not in STATS]
+    if bad:
+        raise FisherkronError(f"unknown statistic {bad[0]!r}; choose from {', '.join(STATS)}")
+    from ...core.operators import ENCODINGS
+
+    if grad_dtype not in ENCODINGS:
+        raise FisherkronError(f"grad_dtype {grad_dtype!r} is unknown; use one of {', '.join(ENCODINGS)}")
+    if granularity not in GRANULARITIES:
+        raise FisherkronError(f"granularity {granularity!r} is unknown; use one of {', '.join(GRANULARITIES)}")
+    if granularity == "token" and grad_dtype != "float32":
+        raise FisherkronError("granularity='token' stores the layers' inputs and output gradients in float32; "
+                              "leave grad_dtype at 'float32'")
+    if isinstance(batches, Mapping):
+        raise FisherkronError("batches is one dict; pass a list of dicts of tensors (e.g. from fisherkron.lm_batches)")
+    batches = list(batches)
+    check_batches(batches)
+    if k is not None:
+        check_int(k, "k", minimum=1)
+        if k > len(batches):
+            raise FisherkronError(f"k={k} exceeds the {len(batches)} batches given")
+        batches = batches[:k]
+    if granularity == "sequence":
+        batches = split_sequences(batches)
+    if not batches:
+        raise FisherkronError("no calibration batches were given")
+    return stats, batches
+
+
+def _cached(root: Path, key: str, whole: str | None, verify_cache: bool) -> CalibrationStats | None:
+    """The entry ``root/key`` where it is cached and whole (its files' checksums checked with ``verify_cache``), or
+    the unbounded entry ``root/whole`` of the same calibration (``whole``: the key of a bounded collection's
+    unbounded twin), which makes ``max_disk`` cost nothing; None where neither is, after removing a damaged
+    ``root/key`` (a read-only cache: one line)."""
+    final = root / key
+    man = read_manifest(final, key, verify_cache)
+    if man is not None:
+        if (final / OWNER).exists():  # left by an earlier version: a finished entry has no owner
+            release_entry(final)
+        return CalibrationStats(final, man["layers"], man["k"], key, man["config"],
+                                tuple(man["config"]["stats"]), from_cache=True)
+    man = read_manifest(root / whole, whole, verify_cache) if whole is not None else None
+    if man is not None and not (root / whole / OWNER).exists():
+        log.info("the unbounded calibration %s is cached already: it is used, and max_disk costs nothing",
+                 root / whole)
+        return CalibrationStats(root / whole, man["layers"], man["k"], whole, man["config"],
+                                tuple(man["config"]["stats"]), from_cache=True)
+    if final.exists():
+        try:
+            shutil.rmtree(final)
+        except OSError as exc:
+            raise read_only(root, True, exc.strerror or type(exc).__name__) from None
+    return None
+
+
 @timed("calibration")
 def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None = None, seed: int = 0,
                         stats=None, methods=None, loss_fn=None, loss_name: str | None = None,
@@ -163,39 +228,8 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
         :class:`CalibrationStats` backed by files (with ``cache=False`` a private folder
         under the cache root, deleted when the object is garbage-collected).
     """
-    if stats is None and methods is not None:
-        methods = [methods] if isinstance(methods, str) else list(methods)
-        unknown = [m for m in methods if m not in METHOD_STATS]
-        if unknown:
-            raise FisherkronError(f"method {unknown[0]!r} is unknown; use one of {', '.join(METHOD_STATS)}")
-        stats = tuple(s for s in STATS if any(s in METHOD_STATS[m] for m in methods))
-    stats = tuple(STATS if stats is None else stats)
-    bad = [s for s in stats if s not in STATS]
-    if bad:
-        raise FisherkronError(f"unknown statistic {bad[0]!r}; choose from {', '.join(STATS)}")
-    from ...core.operators import ENCODINGS
-
-    if grad_dtype not in ENCODINGS:
-        raise FisherkronError(f"grad_dtype {grad_dtype!r} is unknown; use one of {', '.join(ENCODINGS)}")
-    if granularity not in GRANULARITIES:
-        raise FisherkronError(f"granularity {granularity!r} is unknown; use one of {', '.join(GRANULARITIES)}")
-    if granularity == "token" and grad_dtype != "float32":
-        raise FisherkronError("granularity='token' stores the layers' inputs and output gradients in float32; "
-                              "leave grad_dtype at 'float32'")
-    if isinstance(batches, Mapping):
-        raise FisherkronError("batches is one dict; pass a list of dicts of tensors (e.g. from fisherkron.lm_batches)")
-    batches = list(batches)
-    check_batches(batches)
-    if k is not None:
-        check_int(k, "k", minimum=1)
-        if k > len(batches):
-            raise FisherkronError(f"k={k} exceeds the {len(batches)} batches given")
-        batches = batches[:k]
-    if granularity == "sequence":
-        batches = split_sequences(batches)
+    stats, batches = _checked(batches, k, stats, methods, grad_dtype, granularity)
     k = len(batches)
-    if k == 0:
-        raise FisherkronError("no calibration batches were given")
     names = select_layers(model, layers)
     modules = dict(model.named_modules())
     shapes = {n: (modules[n].out_features, modules[n].in_features) for n in names}
@@ -224,24 +258,8 @@ def collect_calibration(model: nn.Module, batches, layers=None, *, k: int | None
     if cache:  # another process filling this entry: wait for it, then read what it wrote
         wait_for_owner(partial)
     reclaim(root, partial)
-    if cache:
-        man = read_manifest(final, key, verify_cache)
-        if man is not None:
-            if (final / OWNER).exists():  # left by an earlier version: a finished entry has no owner
-                release_entry(final)
-            return CalibrationStats(final, man["layers"], man["k"], key, man["config"],
-                                    tuple(man["config"]["stats"]), from_cache=True)
-        man = read_manifest(root / whole, whole, verify_cache) if plan is not None else None
-        if man is not None and not (root / whole / OWNER).exists():
-            log.info("the unbounded calibration %s is cached already: it is used, and max_disk costs nothing",
-                     root / whole)
-            return CalibrationStats(root / whole, man["layers"], man["k"], whole, man["config"],
-                                    tuple(man["config"]["stats"]), from_cache=True)
-        if final.exists():
-            try:
-                shutil.rmtree(final)
-            except OSError as exc:
-                raise read_only(root, cache, exc.strerror or type(exc).__name__) from None
+    if cache and (found := _cached(root, key, whole if plan is not None else None, verify_cache)) is not None:
+        return found
     writable_root(root, cache)
 
     def write(folder: Path, checkpoint: "Checkpoint | None" = None) -> dict:
