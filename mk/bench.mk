@@ -48,6 +48,15 @@ bench-lm-eval: $(LMEVAL_OUT) ## seconds per lm-eval call on SmolLM2 (MMLU 5-shot
 $(LMEVAL_OUT) &: scripts/bench_lm_eval_tasks.py fisherkron/hf/evaluate.py fisherkron/hf/lm_eval_tasks.py | $(STAMP)
 	$(PY) scripts/bench_lm_eval_tasks.py --out $(BENCH_DIR)
 
+# lm-eval's environment report left out of each call (scripts/bench_lm_eval_report.py): a benchmark, not a test.
+LMREPORT_OUT := $(foreach e,csv md tex provenance.json,$(BENCH_DIR)/bench_lm_eval_report.$e)
+
+.PHONY: bench-lm-eval-report
+.PRECIOUS: $(LMREPORT_OUT)
+bench-lm-eval-report: $(LMREPORT_OUT) ## seconds per lm-eval call on SmolLM2 with and without lm-eval's environment report (1 min)
+$(LMREPORT_OUT) &: scripts/bench_lm_eval_report.py fisherkron/hf/evaluate.py | $(STAMP)
+	$(PY) scripts/bench_lm_eval_report.py --out $(BENCH_DIR)
+
 # Fixed costs of every notebook and many tests (scripts/bench_overheads.py): the code hashes of cache keys parsed on
 # every call against once per process, the training documents' check against the evaluation texts, and the GEMM peak
 # measurement at sizes 4096 and 2048. A benchmark, not a test.

@@ -208,11 +208,20 @@ def test_lm_eval_tasks_reused_across_calls_score_as_fresh_ones():
     assert all(len(c5) > len(c0) for (c0, _), (c5, _) in zip(prompts0, prompts5))  # the shots reach the prompts
 
 
-def test_lm_eval_per_example_scores_average_to_the_reported_accuracy():
+def test_lm_eval_per_example_scores_average_to_the_reported_accuracy(monkeypatch):
     """``per_example=True`` keeps each example's score in document order; their mean is lm-eval's accuracy, and the
-    aggregate scores are those of a run without them."""
+    aggregate scores are those of a run without them. No call asks torch for its environment report (a second a
+    call), and lm-eval's own reporting is back in place after each."""
     ev, model, tok = _lm_eval_setup()
+    import torch.utils.collect_env
+    from lm_eval import evaluator
+
+    asked, report = [], evaluator.add_env_info
+    monkeypatch.setattr(torch.utils.collect_env, "get_pretty_env_info", lambda: asked.append(1) or "")
     plain = ev.run_lm_eval(model, tok, ["arc_easy"], num_fewshot=0, limit=5, bootstrap_iters=0)
+    assert asked == [] and evaluator.add_env_info is report
+    report({})
+    assert asked == [1]  # the report it leaves out is the one that asks
     got = ev.run_lm_eval(model, tok, ["arc_easy"], num_fewshot=0, limit=5, bootstrap_iters=0, per_example=True)
     r = got["arc_easy"]
     assert len(r["acc_examples"]) == 5 and set(r["acc_examples"]) <= {0.0, 1.0}

@@ -12,6 +12,7 @@ r"""Evaluation of compressed models (paper Sec. 6): perplexity, GLUE-style metri
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -216,6 +217,21 @@ def _task_manager(profile: str, num_fewshot: int | None) -> _ReusedTasks:
     return _ReusedTasks(*_TASK_MANAGERS[folder], num_fewshot)
 
 
+@contextlib.contextmanager
+def _without_environment_report():
+    """Within the block, lm-eval's ``simple_evaluate`` adds no report of the environment to its results (torch's
+    ``collect_env``: about 0.8 s a call on 2 cores, several seconds the first time, for text nothing here reads;
+    the provenance records keep the versions that matter)."""
+    from lm_eval import evaluator
+
+    report = evaluator.add_env_info
+    evaluator.add_env_info = lambda storage: None
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = report
+
+
 @timed("lm-eval")
 def run_lm_eval(model, tokenizer, tasks, *, num_fewshot: int | None = 0, limit: int | float | None = None,
                 bootstrap_iters: int = 100, batch_size: int = 1, profile: str = "default",
@@ -249,10 +265,11 @@ def run_lm_eval(model, tokenizer, tasks, *, num_fewshot: int | None = 0, limit: 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     kw = {"max_length": max_length} if max_length else {}
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kw)
-    out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                          bootstrap_iters=bootstrap_iters, task_manager=tm, log_samples=per_example,
-                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                          fewshot_random_seed=seed)
+    with _without_environment_report():
+        out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                              bootstrap_iters=bootstrap_iters, task_manager=tm, log_samples=per_example,
+                              random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                              fewshot_random_seed=seed)
     res = {}
     for name, metrics in out["results"].items():
         res[name] = {k.split(",")[0]: float(v) for k, v in metrics.items()
