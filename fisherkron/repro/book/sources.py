@@ -281,7 +281,8 @@ def _verify_results(root: Path) -> dict[str, str]:
         result = record["result"].split(" (")[0]
         result = "ran" if result == "NO TABLE" else result  # writes no table
         result += ", out of date" if changed_tables(record, root / "figures") else ""
-        per.setdefault(nb, []).append(f"{result} on {cpu_model((record.get('machine') or {}).get('cpu'))}")
+        cpu = (record.get("machine") or {}).get("cpu")
+        per.setdefault(nb, []).append(f"{result} on {cpu_model(cpu) if cpu else 'a machine not recorded'}")
     return {nb: "; ".join(res) for nb, res in per.items()}
 
 
