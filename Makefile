@@ -34,16 +34,17 @@ export HF_HOME ?= $(CURDIR)/data/hf_home
 export TOKENIZERS_PARALLELISM ?= false
 # OpenMP threads wait passively: no stalls when another process shares the cores (README, "Threads")
 export OMP_WAIT_POLICY ?= PASSIVE
-# KERNELS=avx2: ATen's AVX2 kernels and MKL's AVX2 code branch for everything make runs, on an AVX-512 CPU as
-# on an AVX2-only one: the setting under which scripts/kernel_bits.py compares two CPU models' float32 bits
-# (on the AMD EPYC it changes no bit: scripts/kernel_bits.log). Empty (default): each CPU's widest kernels.
-# Provenance and verify records name the kernels a run used.
+# KERNELS=avx2: ATen's AVX2 kernels, MKL's AVX2 code branch and oneDNN's AVX2 code for everything make runs, on
+# an AVX-512 CPU as on an AVX2-only one: the setting "make KERNELS=avx2" of scripts/kernel_bits.py, which compares
+# CPU models' float32 bits under it (on the AMD EPYC it changes no bit: scripts/kernel_bits.log). Empty (the
+# default): each CPU's widest kernels. Provenance and verify records name the kernels a run used.
 KERNELS ?=
 ifeq ($(KERNELS),avx2)
 export ATEN_CPU_CAPABILITY := avx2
 export MKL_CBWR := AVX2
+export ONEDNN_MAX_CPU_ISA := AVX2
 else ifneq ($(KERNELS),)
-$(error KERNELS=$(KERNELS): use KERNELS=avx2 (ATen's and MKL's AVX2 kernels on every CPU model) or leave it empty)
+$(error KERNELS=$(KERNELS): use KERNELS=avx2 (AVX2 kernels on every CPU model) or leave it empty)
 endif
 
 .PHONY: help install lock test test-unit test-slow clean-venv

@@ -2,10 +2,11 @@
 """Which CPU kernel settings give float32 training identical bits on Intel Xeon and AMD EPYC: a check, not a test.
 
 Float32 results differ in their last bits between the two CPU models this project runs on, and trained rows
-(learned truncation, LoRA) amplify those bits into differences ``make verify`` sees. Two libraries choose their
-code by processor: MKL (torch's CPU GEMMs), whose branch ``MKL_CBWR`` pins, and ATen's vectorised kernels
-(softmax, norms, reductions, element-wise), whose width ``ATEN_CPU_CAPABILITY`` can lower. For each setting of
-:data:`SETTINGS` this script runs, in a fresh process (both are read once, at start):
+(learned truncation, LoRA) amplify those bits into differences ``make verify`` sees. Three libraries choose their
+code by processor: MKL (torch's CPU GEMMs), whose branch ``MKL_CBWR`` pins; ATen's vectorised kernels (softmax,
+norms, reductions, element-wise), whose width ``ATEN_CPU_CAPABILITY`` can lower; and oneDNN, for the operations
+torch hands it, bounded by ``ONEDNN_MAX_CPU_ISA``. For each setting of :data:`SETTINGS` this script runs, in a
+fresh process (each variable is read once, at start):
 
 * ``gemm``: seeded GEMMs of the shapes a SmolLM2 layer sees;
 * ``aten``: softmax, RMS norm, SiLU and a long sum on seeded inputs;
@@ -13,9 +14,10 @@ code by processor: MKL (torch's CPU GEMMs), whose branch ``MKL_CBWR`` pins, and 
 
 and appends one JSON line per setting to ``scripts/kernel_bits.log``: the CPU model, the setting, a digest of the
 bits of each part, the losses, the GFLOP/s of a 2048-square product and the training steps' seconds. Run it on
-each CPU model (``python scripts/kernel_bits.py``, about 3 minutes on 2 cores): a setting whose ``train`` digest
-is the same on both makes CPU training reproducible bit for bit across them (same thread count), at the speed
-the log gives; where none is, the trained rows' reproducibility rests on their seeds' spread.
+each CPU model (``python scripts/kernel_bits.py [--only SETTING]``, about 4 minutes on 2 cores): a setting whose
+``train`` digest is the same on both makes CPU training reproducible bit for bit across them (same thread count),
+at the speed the log gives; where none is, the trained rows' reproducibility rests on their seeds' spread. The
+last setting is what ``make KERNELS=avx2`` exports.
 """
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ SETTINGS = [
     ("aten avx2", {"ATEN_CPU_CAPABILITY": "avx2"}),
     ("aten avx2, mkl avx2", {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}),
     ("aten default, mkl compatible", {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}),
+    ("make KERNELS=avx2", {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
 ]
+#: the variables a setting may pin (none leaks in from the caller's environment)
+PINS = ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 LOG = Path(__file__).with_name("kernel_bits.log")
 
 _CHILD = r"""
@@ -78,12 +83,18 @@ print(json.dumps({"gemm": digest(gemm), "aten": digest(aten), "train": digest(mo
 """
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
     from fisherkron.repro.figures import machine_info
 
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=[name for name, _ in SETTINGS], help="run one setting (default: all)")
+    only = ap.parse_args(argv).only
+
     info, rows = machine_info(), []
-    clean = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY")}
-    for name, pins in SETTINGS:
+    clean = {k: v for k, v in os.environ.items() if k not in PINS}
+    for name, pins in [s for s in SETTINGS if only is None or s[0] == only]:
         out = subprocess.run([sys.executable, "-c", _CHILD], env={**clean, **pins}, capture_output=True, text=True)
         if out.returncode:
             print(f"[kernel_bits] {name}: failed\n{out.stderr[-2000:]}", file=sys.stderr)

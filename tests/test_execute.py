@@ -88,19 +88,26 @@ def test_a_failed_make_run_of_a_notebook_deletes_none_of_its_outputs(tmp_path):
 
 
 
-def test_kernels_avx2_pins_aten_and_mkl_for_what_make_runs_and_another_value_stops_make():
-    """``make KERNELS=avx2 ...`` runs with ATen's and MKL's AVX2 kernels (the records then name them); the
+def test_kernels_avx2_exports_the_setting_kernel_bits_logs_and_another_value_stops_make():
+    """``make KERNELS=avx2 ...`` runs with the AVX2 kernels of ATen, MKL and oneDNN (the records name them); the
     default leaves each CPU its own; a value it does not know is one line before anything runs."""
     root = Path(__file__).resolve().parents[1]
-    drop = ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES", "ATEN_CPU_CAPABILITY", "MKL_CBWR", "KERNELS")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernel_bits", root / "scripts" / "kernel_bits.py")
+    bits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bits)
+    pins = dict(bits.SETTINGS)["make KERNELS=avx2"]  # the setting whose bits kernel_bits.py logs
+    drop = ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES", "KERNELS", *bits.PINS)
     env = {k: v for k, v in os.environ.items() if k not in drop}
 
     def make(*extra):
+        show = "; ".join(f"echo {v}=$${{{v}-}}" for v in bits.PINS)  # the recipes run under set -u
         return subprocess.run(["make", "--no-print-directory", "-s", "-o", ".venv/.fisherkron-installed", "verify",
-                               "NB=fig_time_algo", "PY=printenv ATEN_CPU_CAPABILITY MKL_CBWR; true", *extra],
+                               "NB=fig_time_algo", f"PY={show}; true", *extra],
                               cwd=root, env=env, capture_output=True, text=True, timeout=120)
 
-    assert make("KERNELS=avx2").stdout.split() == ["avx2", "AVX2"]
-    assert make().stdout.split() == []
+    assert make("KERNELS=avx2").stdout.split() == [f"{v}={pins[v]}" for v in bits.PINS]
+    assert make().stdout.split() == [f"{v}=" for v in bits.PINS]
     wrong = make("KERNELS=avx512")
     assert wrong.returncode != 0 and wrong.stdout == "" and "use KERNELS=avx2" in wrong.stderr

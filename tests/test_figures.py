@@ -131,6 +131,9 @@ def test_machine_info_names_the_kernels_torch_runs(monkeypatch):
     import torch
 
     monkeypatch.delenv("MKL_CBWR", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     assert figures.machine_info()["kernels"] == f"ATen {torch.backends.cpu.get_cpu_capability()}"
     monkeypatch.setenv("MKL_CBWR", "AVX2")  # a pinned MKL branch is part of what gives the bits
     assert figures.cpu_kernels().endswith(", MKL_CBWR=AVX2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # and oneDNN's bound
+    assert figures.cpu_kernels().endswith(", MKL_CBWR=AVX2, ONEDNN_MAX_CPU_ISA=AVX2")

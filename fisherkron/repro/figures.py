@@ -155,15 +155,16 @@ def cpu_isa(flags: str | None = None) -> str | None:
 
 def cpu_kernels() -> str:
     """Which CPU kernels torch runs: ATen's vectorised code (``ATEN_CPU_CAPABILITY`` can lower it from the
-    CPU's best) and MKL's code branch where ``MKL_CBWR`` pins one, e.g. ``"ATen AVX2"``,
-    ``"ATen DEFAULT, MKL_CBWR=AVX2"``.
+    CPU's best), MKL's code branch where ``MKL_CBWR`` pins one and oneDNN's widest instructions where
+    ``ONEDNN_MAX_CPU_ISA`` bounds them, e.g. ``"ATen AVX2"``, ``"ATen DEFAULT, MKL_CBWR=AVX2"``.
 
     Float32 results differ in their last bits between kernels of different vector widths, so two runs give the
     same bits only where this string (and the thread count) agree."""
     import torch
 
     out = f"ATen {torch.backends.cpu.get_cpu_capability()}"
-    return out + (f", MKL_CBWR={os.environ['MKL_CBWR']}" if os.environ.get("MKL_CBWR") else "")
+    return out + "".join(f", {var}={os.environ[var]}" for var in ("MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+                         if os.environ.get(var))
 
 
 def machine_info() -> dict[str, Any]:
