@@ -14,16 +14,10 @@ from fisherkron.experiments.benchmark import kron_rel_error
 from fisherkron.experiments.synthetic_gradients import ar1_cholesky, synthetic_gradients
 from fisherkron.testing import (EPS64, F64_REL, FLOAT64, MFF_F32_REL, MFF_REF_TOL, MONTE_CARLO_REL, abs_sum_scale,
                                 assert_close_f32, dense_fisher, dense_rearrangement, float32_tol)
+from script_module import load_script
 
 def _load_script(name: str = "bench_mff"):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(name)
 
 
 def main(argv):

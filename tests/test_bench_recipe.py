@@ -4,29 +4,15 @@ and its ``--quick`` pipeline end to end on a tiny random Llama.
 No timings are asserted here (timings are what `make bench-recipe` reports). The end-to-end run starts
 18 ``fisherkron`` commands (about 90 s on 2 shared cores), so it is marked ``slow``.
 """
-import importlib.util
 import json
 import math
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from script_module import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_script():
-    path = ROOT / "scripts" / "bench_recipe.py"
-    spec = importlib.util.spec_from_file_location("bench_recipe", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_recipe"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load_script()
+bench = load_script("bench_recipe")
 
 
 def test_the_cases_are_the_commands_a_practitioner_types():

@@ -1,17 +1,14 @@
 """``scripts/cache_keys.py``: which caches a change re-keys."""
-import importlib.util
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("cache_keys", ROOT / "scripts" / "cache_keys.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("cache_keys")
 
 
 def test_a_family_whose_key_code_differs_at_the_revision_is_named_re_keyed(monkeypatch, capsys):

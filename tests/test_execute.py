@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 from fisherkron.repro.execute import execute
+from script_module import load_script
 
 NOTEBOOK = """# ---
 # jupyter:
@@ -92,11 +93,7 @@ def test_kernels_avx2_exports_the_setting_kernel_bits_logs_and_another_value_sto
     """``make KERNELS=avx2 ...`` runs with the AVX2 kernels of ATen, MKL and oneDNN (the records name them); the
     default leaves each CPU its own; a value it does not know is one line before anything runs."""
     root = Path(__file__).resolve().parents[1]
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("kernel_bits", root / "scripts" / "kernel_bits.py")
-    bits = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bits)
+    bits = load_script("kernel_bits")
     pins = dict(bits.SETTINGS)["make KERNELS=avx2"]  # the setting whose bits kernel_bits.py logs
     drop = ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES", "KERNELS", *bits.PINS)
     env = {k: v for k, v in os.environ.items() if k not in drop}
