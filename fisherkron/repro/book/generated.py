@@ -100,7 +100,9 @@ def verify_table(out: Outputs, root: Path) -> str:
                       "the ones not yet verified or whose record failed): "
                       + ", ".join(f"`{n}`" for n in stale) + "."]
     models = {cpu: cpu_model(r["machine"].get("cpu")) for (_, cpu), r in recs.items() if r.get("machine")}
-    verified = {nb: {cpu for n, cpu in recs if n == nb} for nb, _ in recs}
+    verified: dict[str, set[str]] = {}  # notebook -> the CPU models that verified it
+    for nb, cpu in recs:
+        verified.setdefault(nb, set()).add(cpu)
     never = [p.name for p in pages(root) if p.name not in verified]
     if len(models) > 1:
         for cpu, name in sorted(models.items()):
